@@ -1,0 +1,594 @@
+"""Compressors: a selection rule + wire options + error-feedback options, behind one registry.
+
+Every sparse compressor is a :class:`horovod.torch.compression.Compressor` subclass so that it can be
+passed where Horovod expects one, but its payloads are (value, index) pairs that must be *gathered*, not
+summed: inside stock ``hvd.DistributedOptimizer`` its ``compress`` raises a clear error pointing to
+:class:`horovod_adtopk.DistributedOptimizer`. ``Compression.none`` and ``Compression.fp16`` are Horovod's
+own dense compressors and take Horovod's allreduce path unchanged.
+
+Per call the optimizer asks a compressor for a :class:`Selection` of the error-compensated gradient
+``a``. A selection says which entries leave this rank and how the receivers will find their positions:
+
+- :class:`FiberCodec`: fiber-local indices, a fixed count per rank (ADTopk); int16 for fibers < 32768.
+- :class:`FlatCodec`: flat offsets, fixed count (Top-k) or variable count (threshold rules).
+- :class:`SharedCodec`: no indices at all, every rank draws the same positions (Random-k); the values
+  travel by allreduce.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple, Type
+
+import torch
+from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
+
+from . import selection as sel
+from .wire import WIRE_VALUE_DTYPES, index_dtype_for
+
+DEFAULT_MIN_NUMEL = 1024
+
+
+# --- codecs: how positions travel -------------------------------------------------------------------------
+
+
+class FiberCodec:
+    """Fiber-local indices, ``layout.count`` entries per rank in fiber-major order."""
+
+    transport = "allgather"
+
+    def __init__(self, layout: sel.FiberLayout) -> None:
+        self.layout = layout
+        self.index_dtype = index_dtype_for(layout.fiber_len - 1)
+        self.count: Optional[int] = layout.count
+        self._bases: Dict[torch.device, torch.Tensor] = {}
+
+    def bases(self, device: torch.device) -> torch.Tensor:
+        b = self._bases.get(device)
+        if b is None:
+            b = self._bases[device] = sel.fiber_bases(self.layout, device)
+        return b
+
+    def to_flat(self, wire_index: torch.Tensor) -> torch.Tensor:
+        """Flat positions of the indices of one or more rank blocks (length a multiple of ``count``)."""
+        blocks = wire_index.reshape(-1, self.layout.count).to(torch.int64)
+        return (self.bases(wire_index.device) + blocks * self.layout.stride).reshape(-1)
+
+    def key(self) -> tuple:
+        return ("fiber", self.layout.axis, self.layout.k)
+
+
+class FlatCodec:
+    """Flat offsets; ``count=None`` means the number of entries varies per rank and step."""
+
+    transport = "allgather"
+
+    def __init__(self, numel: int, count: Optional[int]) -> None:
+        self.index_dtype = index_dtype_for(max(numel - 1, 0))
+        self.count = count
+
+    def to_flat(self, wire_index: torch.Tensor) -> torch.Tensor:
+        return wire_index.to(torch.int64)
+
+    def key(self) -> tuple:
+        return ("flat", self.count)
+
+
+class SharedCodec:
+    """Positions every rank derives identically: only values travel, summed by allreduce."""
+
+    transport = "allreduce"
+    index_dtype = None
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.count = flat.numel()
+
+    def key(self) -> tuple:
+        return ("shared", self.count)
+
+
+@dataclass
+class Selection:
+    """What one rank sends for one tensor this step."""
+
+    values: torch.Tensor  # 1-D, signed, gradient dtype
+    flat: torch.Tensor  # 1-D int64 flat positions of ``values`` (for the sender's memory)
+    wire_index: Optional[torch.Tensor]  # what travels as indices (None for SharedCodec)
+    codec: object
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Static facts about one parameter, fixed at the optimizer's first step."""
+
+    name: str
+    shape: Tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+
+
+# --- base class ---------------------------------------------------------------------------------------------
+
+
+def _check_value_dtype(value_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if value_dtype is None:
+        return None
+    if isinstance(value_dtype, str):
+        value_dtype = getattr(torch, value_dtype, None) if value_dtype in ("float16", "bfloat16", "float32", "float64") else value_dtype
+    if value_dtype not in WIRE_VALUE_DTYPES:
+        raise ValueError(f"value_dtype must be one of float16, bfloat16, float32, float64 or None (the gradient's "
+                         f"dtype), got {value_dtype!r}")
+    return value_dtype
+
+
+class SparseCompressor(Compressor):
+    """Base of every sparse compressor. Subclasses implement :meth:`select` and :meth:`nominal_count`.
+
+    Args:
+        ratio: target density in (0, 1].
+        value_dtype: dtype of values on the wire (None: the gradient's dtype).
+        error_feedback: keep what was not sent and add it to the next gradient.
+        min_numel: tensors with fewer elements travel dense (allreduce).
+        momentum: DGC momentum correction factor (None: plain error feedback).
+        hybrid: send a tensor dense when allgathering its sparse payload from every rank would move more
+            bytes than a ring allreduce of the dense tensor (see :meth:`choose_path`).
+    """
+
+    name = "sparse"
+    fixed_size = True
+    #: whether 1-D tensors may be sparse (fiber rules need 2 dims; all rules follow the paper and keep
+    #: biases and norms dense)
+    min_dims = 2
+
+    def __init__(self, ratio: float, value_dtype: Optional[torch.dtype] = None, error_feedback: bool = True,
+                 min_numel: int = DEFAULT_MIN_NUMEL, momentum: Optional[float] = None, hybrid: bool = True) -> None:
+        self.ratio = sel.check_ratio(ratio)
+        self.value_dtype = _check_value_dtype(value_dtype)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
+        self.min_numel = min_numel
+        if momentum is not None and not error_feedback:
+            raise ValueError("momentum correction needs error_feedback=True")
+        if momentum is not None and not (0.0 <= float(momentum) < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = momentum
+        self.hybrid = bool(hybrid)
+
+    # Horovod's Compressor interface: refuse to be allreduced by stock Horovod.
+    def compress(self, tensor):  # type: ignore[override]
+        raise TypeError(
+            f"{type(self).__name__} produces sparse (value, index) payloads that must be allgathered; "
+            "hvd.DistributedOptimizer would allreduce (sum) the indices and silently corrupt the gradients. "
+            "Use horovod_adtopk.DistributedOptimizer(optimizer, named_parameters=..., compression=...) instead.")
+
+    def decompress(self, tensor, ctx):  # type: ignore[override]
+        raise TypeError(f"{type(self).__name__} can only be used with horovod_adtopk.DistributedOptimizer")
+
+    # --- configuration --------------------------------------------------------------------------------------
+    def config(self) -> dict:
+        """Every setting that must agree across ranks (checked at the first step)."""
+        return {"compressor": self.name, "ratio": self.ratio, "value_dtype": str(self.value_dtype),
+                "error_feedback": self.error_feedback, "min_numel": self.min_numel,
+                "momentum": self.momentum, "hybrid": self.hybrid, **self.extra_config()}
+
+    def extra_config(self) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "compressor")
+        return f"Compression.{self.name}({args})"
+
+    def wire_value_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return self.value_dtype or grad_dtype
+
+    # --- per tensor -----------------------------------------------------------------------------------------
+    def nominal_count(self, info: TensorInfo) -> int:
+        """Entries a rank sends per step for this tensor (the target, for variable-size rules)."""
+        return sel.keep_count(self.ratio, info.numel)
+
+    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
+        return index_dtype_for(info.numel - 1)
+
+    def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
+        """Decide once per tensor: ``(sparse?, reason)``.
+
+        Cost model (bandwidth term of the alpha-beta model; one collective either way, so latency cancels):
+        a ring allreduce moves ``2 (W-1)/W * D`` bytes per rank, an allgather ``(W-1) * P``, where ``D`` is
+        the dense tensor's bytes and ``P`` one rank's payload. Sparse wins iff ``P < D`` and ``W * P < 2 D``.
+        """
+        if len(info.shape) < self.min_dims:
+            return False, f"{len(info.shape)}-D tensor"
+        if info.numel < self.min_numel:
+            return False, f"numel {info.numel} < min_numel {self.min_numel}"
+        vbytes = torch.empty((), dtype=self.wire_value_dtype(info.dtype)).element_size()
+        idt = self.nominal_index_dtype(info)
+        ibytes = 0 if idt is None else torch.empty((), dtype=idt).element_size()
+        payload = self.nominal_count(info) * (vbytes + ibytes)
+        dense = info.numel * torch.empty((), dtype=info.dtype).element_size()
+        if payload >= dense:
+            return False, f"sparse payload {payload} B >= dense {dense} B"
+        if self.hybrid and world_size * payload >= 2 * dense:
+            return False, f"allgather of {world_size} x {payload} B >= ring allreduce of {dense} B"
+        return True, "sparse"
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        raise NotImplementedError
+
+    # --- adaptive state (ADTopk-T) --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def reset_state(self) -> None:
+        pass
+
+
+def _flat_selection(values: torch.Tensor, flat: torch.Tensor, numel: int, count: Optional[int]) -> Selection:
+    return Selection(values, flat, flat, FlatCodec(numel, count))
+
+
+# --- the rules ----------------------------------------------------------------------------------------------
+
+
+class ADTopkCompressor(SparseCompressor):
+    """All-dimension top-k (see :mod:`horovod_adtopk.selection`). ``axis``: 0, 1 or "auto"."""
+
+    name = "adtopk"
+
+    def __init__(self, ratio: float, axis="auto", **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        sel.resolve_axis(2, 2, axis)  # validates
+        self.axis = axis
+        self._codecs: Dict[str, FiberCodec] = {}
+
+    def extra_config(self) -> dict:
+        return {"axis": self.axis}
+
+    def layout(self, info: TensorInfo) -> sel.FiberLayout:
+        return sel.fiber_layout(info.shape, self.ratio, self.axis)
+
+    def codec(self, info: TensorInfo) -> FiberCodec:
+        c = self._codecs.get(info.name)
+        if c is None or c.layout.shape != info.shape:
+            c = self._codecs[info.name] = FiberCodec(self.layout(info))
+        return c
+
+    def nominal_count(self, info: TensorInfo) -> int:
+        return self.layout(info).count
+
+    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
+        return index_dtype_for(self.layout(info).fiber_len - 1)
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        codec = self.codec(info)
+        values, local = sel.all_dimension_topk(a, codec.layout)
+        flat = codec.to_flat(local)
+        return Selection(values.reshape(-1), flat, local.reshape(-1), codec)
+
+
+class TopkCompressor(SparseCompressor):
+    """Exact global top-k of the flattened tensor, ``k = max(1, floor(ratio * numel))``."""
+
+    name = "topk"
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        k = sel.keep_count(self.ratio, info.numel)
+        values, flat = sel.global_topk(a, k)
+        return _flat_selection(values, flat, info.numel, k)
+
+
+def stable_seed(*parts) -> int:
+    """A seed from strings/ints that is the same in every process (Python's ``hash`` is salted)."""
+    return zlib.crc32("\x1f".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
+
+
+class RandomkCompressor(SparseCompressor):
+    """``k`` random positions, the same on every rank (private generator seeded by seed, name and step):
+    no indices travel, and the values are summed by allreduce."""
+
+    name = "randomk"
+
+    def __init__(self, ratio: float, seed: int = 0, **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        self.seed = int(seed)
+
+    def extra_config(self) -> dict:
+        return {"seed": self.seed}
+
+    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
+        return None
+
+    def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
+        # Values are allreduced, so the allgather term of the cost model does not apply.
+        was, self.hybrid = self.hybrid, False
+        try:
+            return super().choose_path(info, world_size)
+        finally:
+            self.hybrid = was
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        k = sel.keep_count(self.ratio, info.numel)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(stable_seed(self.seed, info.name, step))
+        flat = sel.random_positions(info.numel, k, gen, a.device)
+        values = a.reshape(-1)[flat]
+        return Selection(values, flat, None, SharedCodec(flat))
+
+
+class _ThresholdCompressor(SparseCompressor):
+    """Variable-size rules: keep ``|a| >= t`` with ``t`` from :meth:`threshold`."""
+
+    fixed_size = False
+
+    def threshold(self, a: torch.Tensor, mag: torch.Tensor, info: TensorInfo, step: int) -> float:
+        raise NotImplementedError
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        mag = a.reshape(-1).abs()
+        t = self.threshold(a, mag, info, step)
+        values, flat = sel.threshold_select(a, t)
+        return _flat_selection(values, flat, info.numel, None)
+
+
+class DGCCompressor(_ThresholdCompressor):
+    """DGC (Lin et al. 2018): threshold from a ~1% random sample of ``|a|``; when the count misses
+    ``k`` by more than 25% the threshold is corrected (at most 3 extra passes), and when it selects more
+    than ``1.25 k`` the exact top-k of the candidates is kept (DGC's hierarchical selection). Pass
+    ``momentum=0.9`` (with a momentum-free wrapped optimizer) for DGC's momentum correction with factor
+    masking."""
+
+    name = "dgc"
+
+    def __init__(self, ratio: float, sample_fraction: float = 0.01, seed: int = 0, **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        if not (0.0 < sample_fraction <= 1.0):
+            raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
+        self.sample_fraction = float(sample_fraction)
+        self.seed = int(seed)
+
+    def extra_config(self) -> dict:
+        return {"sample_fraction": self.sample_fraction, "seed": self.seed}
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        k = sel.keep_count(self.ratio, info.numel)
+        mag = a.reshape(-1).abs()
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(stable_seed("dgc", self.seed, info.name, step))
+        t = sel.dgc_threshold(mag, self.ratio, gen, self.sample_fraction)
+        t = sel.refine_threshold(mag, t, k, max_iters=3)
+        values, flat = sel.threshold_select(a, t)
+        if flat.numel() > 1.25 * k:
+            finite = torch.isfinite(values)
+            keep = torch.topk(torch.where(finite, values.abs(), torch.full_like(values, float("inf"))), k,
+                              sorted=False).indices
+            values, flat = values[keep], flat[keep]
+        return _flat_selection(values, flat, info.numel, None)
+
+
+class GaussiankCompressor(_ThresholdCompressor):
+    """Gaussian-k (Shi et al. 2019): normal fit, then up to 5 bracketed corrections toward ``k``."""
+
+    name = "gaussiank"
+
+    def threshold(self, a, mag, info, step):
+        k = sel.keep_count(self.ratio, info.numel)
+        return sel.refine_threshold(mag, sel.gaussian_threshold(a, self.ratio), k, max_iters=5)
+
+
+class RedSyncCompressor(_ThresholdCompressor):
+    """RedSync (Fang et al. 2019): binary search between mean and max of ``|a|``."""
+
+    name = "redsync"
+
+    def threshold(self, a, mag, info, step):
+        return sel.redsync_threshold(mag, sel.keep_count(self.ratio, info.numel))
+
+
+class SIDCoCompressor(_ThresholdCompressor):
+    """SIDCo (Abdelmoniem et al. 2021): multi-stage exponential (or gamma / gpareto) tail fit, then up
+    to 3 bracketed corrections toward ``k``."""
+
+    name = "sidco"
+
+    def __init__(self, ratio: float, stages: int = 2, distribution: str = "exponential", **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        if distribution not in ("exponential", "gamma", "gpareto"):
+            raise ValueError(f"distribution must be 'exponential', 'gamma' or 'gpareto', got {distribution!r}")
+        if int(stages) < 1:
+            raise ValueError(f"stages must be >= 1, got {stages!r}")
+        self.stages, self.distribution = int(stages), distribution
+
+    def extra_config(self) -> dict:
+        return {"stages": self.stages, "distribution": self.distribution}
+
+    def threshold(self, a, mag, info, step):
+        k = sel.keep_count(self.ratio, info.numel)
+        t = sel.sidco_threshold(mag, self.ratio, self.stages, self.distribution)
+        return sel.refine_threshold(mag, t, k, max_iters=3)
+
+
+class ThresholdCompressor(_ThresholdCompressor):
+    """Fixed threshold: send every entry with ``|a| >= threshold``. ``ratio`` only sizes the hybrid
+    rule's estimate of the payload (default 0.01)."""
+
+    name = "threshold"
+
+    def __init__(self, threshold: float, ratio: float = 0.01, **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        t = float(threshold)
+        if not (t >= 0.0) or t == float("inf"):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
+        self.fixed_threshold = t
+
+    def extra_config(self) -> dict:
+        return {"threshold": self.fixed_threshold}
+
+    def threshold(self, a, mag, info, step):
+        return self.fixed_threshold
+
+
+class ADTopkICompressor(ADTopkCompressor):
+    """ADTopk-I (interleaved): on step ``s`` a parameter uses all-dimension top-k when
+    ``s % period == 0`` and exact global top-k otherwise (period 2: they alternate, ADTopk first, as in
+    the authors' code). The step comes from the optimizer, which saves it in ``state_dict()``, so a
+    resumed run continues the same schedule."""
+
+    name = "adtopk_i"
+
+    def __init__(self, ratio: float, period: int = 2, **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"period must be an int >= 1, got {period!r}")
+        self.period = period
+
+    def extra_config(self) -> dict:
+        return {"axis": self.axis, "period": self.period}
+
+    def nominal_count(self, info: TensorInfo) -> int:
+        return max(self.layout(info).count, sel.keep_count(self.ratio, info.numel))
+
+    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
+        return index_dtype_for(info.numel - 1)
+
+    def uses_adtopk(self, step: int) -> bool:
+        return step % self.period == 0
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        if self.uses_adtopk(step):
+            return super().select(a, info, step)
+        k = sel.keep_count(self.ratio, info.numel)
+        values, flat = sel.global_topk(a, k)
+        return _flat_selection(values, flat, info.numel, k)
+
+
+class ADTopkTCompressor(ADTopkCompressor):
+    """ADTopk-T (threshold-estimated ADTopk).
+
+    Per parameter: on an *exact* step, run all-dimension top-k and record every fiber's threshold
+    ``theta_f`` = the smallest ``|a|`` it kept. On the ``tau - 1`` steps in between, send the entries with
+    ``|a| >= theta_f`` of their fiber (one comparison pass, no sort; variable size, flat indices).
+
+    Adapting ``tau`` (per parameter, on magnitudes; the authors shared one ``tau`` across all layers and
+    compared signed values): at each exact step, with ``delta`` = median over fibers of
+    ``|theta_new - theta_old| / theta_old``: ``delta < tolerance`` (default 0.1) -> ``tau += 1`` up to
+    ``tau_max``; otherwise ``tau -= 1`` down to ``tau_min``. ``tau`` starts at ``tau_min``; the first
+    ``warmup`` steps are all exact.
+    """
+
+    name = "adtopk_t"
+    fixed_size = False
+
+    def __init__(self, ratio: float, tau_min: int = 1, tau_max: int = 16, tolerance: float = 0.1,
+                 warmup: int = 2, **kwargs) -> None:
+        super().__init__(ratio, **kwargs)
+        if not (1 <= int(tau_min) <= int(tau_max)):
+            raise ValueError(f"need 1 <= tau_min <= tau_max, got tau_min={tau_min!r}, tau_max={tau_max!r}")
+        if not tolerance > 0:
+            raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
+        self.tau_min, self.tau_max, self.tolerance, self.warmup = int(tau_min), int(tau_max), float(tolerance), int(warmup)
+        self._state: Dict[str, dict] = {}
+
+    def extra_config(self) -> dict:
+        return {"axis": self.axis, "tau_min": self.tau_min, "tau_max": self.tau_max,
+                "tolerance": self.tolerance, "warmup": self.warmup}
+
+    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
+        return index_dtype_for(info.numel - 1)
+
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        codec = self.codec(info)
+        st = self._state.get(info.name)
+        exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"]
+        if not exact:
+            st["since"] += 1
+            values, flat = sel.fiber_threshold_select(a, codec.layout, st["theta"].to(a.device))
+            return _flat_selection(values, flat, info.numel, None)
+        values, local = sel.all_dimension_topk(a, codec.layout)
+        theta = values.abs().amin(dim=1).detach().to(torch.float64)
+        theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
+        if st is None:
+            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta}
+        else:
+            old = st["theta"].to(theta.device)
+            delta = float(((theta - old).abs() / old.clamp_min(1e-30)).median())
+            st["tau"] = min(st["tau"] + 1, self.tau_max) if delta < self.tolerance else max(st["tau"] - 1, self.tau_min)
+            st["theta"], st["since"] = theta, 0
+        flat = codec.to_flat(local)
+        return _flat_selection(values.reshape(-1), flat, info.numel, None)
+
+    def state_dict(self) -> dict:
+        return {name: {"tau": s["tau"], "since": s["since"], "theta": s["theta"].cpu().clone()}
+                for name, s in self._state.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._state = {name: {"tau": int(s["tau"]), "since": int(s["since"]), "theta": s["theta"].clone()}
+                       for name, s in state.items()}
+
+    def reset_state(self) -> None:
+        self._state.clear()
+
+
+# --- registry -------------------------------------------------------------------------------------------------
+
+_REGISTRY: Dict[str, Type[SparseCompressor]] = {
+    cls.name: cls for cls in (ADTopkCompressor, ADTopkICompressor, ADTopkTCompressor, TopkCompressor,
+                              RandomkCompressor, DGCCompressor, GaussiankCompressor, RedSyncCompressor,
+                              SIDCoCompressor, ThresholdCompressor)
+}
+_DENSE = {"none": NoneCompressor, "fp16": FP16Compressor}
+
+
+class Compression:
+    """Namespace of compressors, like ``horovod.torch.Compression``.
+
+    ``Compression.none`` / ``Compression.fp16`` are Horovod's dense compressors (use them as they are);
+    every other attribute is a sparse compressor class: ``Compression.adtopk(ratio=0.01)``.
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    adtopk = ADTopkCompressor
+    adtopk_i = ADTopkICompressor
+    adtopk_t = ADTopkTCompressor
+    topk = TopkCompressor
+    randomk = RandomkCompressor
+    dgc = DGCCompressor
+    gaussiank = GaussiankCompressor
+    redsync = RedSyncCompressor
+    sidco = SIDCoCompressor
+    threshold = ThresholdCompressor
+
+    @staticmethod
+    def names() -> list:
+        """Every registered name, dense ones first."""
+        return list(_DENSE) + sorted(_REGISTRY)
+
+    @staticmethod
+    def get(name: str, **kwargs):
+        """Build a compressor by name: ``Compression.get("dgc", ratio=0.01)``.
+
+        Dense names ("none", "fp16") take no arguments except a ``ratio``/``value_dtype`` of None.
+        """
+        key = str(name).lower().replace("-", "_")
+        if key in _DENSE:
+            extra = {k: v for k, v in kwargs.items() if v is not None}
+            if extra:
+                raise ValueError(f"compressor {name!r} is dense and takes no arguments, got {sorted(extra)}")
+            return _DENSE[key]
+        cls = _REGISTRY.get(key)
+        if cls is None:
+            raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(Compression.names())}")
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def is_sparse(compression) -> bool:
+    return isinstance(compression, SparseCompressor)
+
+
+SelectFn = Callable[[torch.Tensor, TensorInfo, int], Selection]

@@ -1,0 +1,98 @@
+"""Error feedback: the per-parameter, per-rank memory of what was not sent.
+
+Plain error feedback (Seide et al. 2014; Karimireddy et al. 2019), for gradient ``g_t`` of a parameter::
+
+    a_t     = g_t + r_{t-1}          (compensate)
+    send      C(a_t)                 (selection + wire format)
+    r_t     = a_t - D(C(a_t))        (update: what this rank's payload did not carry)
+
+so that ``sum_t D(C(a_t)) + r_T == sum_t g_t`` exactly: nothing a rank computed is ever dropped, only
+delayed. ``D(C(a))`` is what the wire really carried (after the cast to the wire value dtype), so the
+rounding of a float16 wire is fed back too.
+
+Momentum correction (DGC, Lin et al. 2018), ``momentum=m``: the memory accumulates the *velocity*::
+
+    u_t = m * u_{t-1} + g_t ;  v_t = v_{t-1} + u_t ;  a_t = v_t
+    after sending: v_t[sent] -= D(C(a_t))[sent] ;  u_t[sent] = 0   (momentum factor masking)
+
+Use it with a wrapped optimizer without momentum (the memory already applies it).
+
+Non-finite policy: entries that were sent leave the memory as they left (their residual is the finite
+difference, or 0), and :meth:`ErrorFeedback.scrub` zeroes any NaN/Inf left in a memory, so one bad step
+reaches the user's code (AMP's GradScaler can skip it) without poisoning later steps.
+
+The memory is all tensors and plain dicts: :meth:`state_dict` round-trips through
+``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+
+class ErrorFeedback:
+    """Residual memory for the parameters of one rank; ``momentum=None`` gives plain error feedback."""
+
+    def __init__(self, momentum: Optional[float] = None) -> None:
+        if momentum is not None and not (0.0 <= float(momentum) < 1.0):
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = None if momentum is None else float(momentum)
+        self.residuals: Dict[str, torch.Tensor] = {}
+        self.velocities: Dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Return ``a = g + r`` (or the DGC accumulated velocity). The result IS the memory tensor: the
+        caller must call :meth:`update` before the next compensate of ``name``."""
+        g = grad.detach()
+        if self.momentum is not None:
+            u = self.velocities.get(name)
+            if u is None:
+                u = self.velocities[name] = g.clone()
+            else:
+                u.mul_(self.momentum).add_(g)
+            g = u
+        r = self.residuals.get(name)
+        if r is None:
+            r = self.residuals[name] = g.clone()
+        else:
+            r.add_(g)
+        return r
+
+    def update(self, name: str, flat_index: torch.Tensor, remainder: torch.Tensor) -> None:
+        """After a send: the memory at the sent positions becomes ``remainder`` (a - what was carried)."""
+        r = self.residuals[name].view(-1)
+        r[flat_index] = remainder.to(r.dtype)
+        if self.momentum is not None:
+            self.velocities[name].view(-1)[flat_index] = 0
+
+    def flush(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``g + r`` for a tensor that is about to be sent densely; the memory of ``name`` is released."""
+        r = self.residuals.pop(name, None)
+        self.velocities.pop(name, None)
+        return grad if r is None else grad + r
+
+    def scrub(self, name: str) -> None:
+        """Zero any NaN/Inf in the memory of ``name``."""
+        for store in (self.residuals, self.velocities):
+            t = store.get(name)
+            if t is not None:
+                torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def reset(self) -> None:
+        """Forget everything (used on an elastic membership change)."""
+        self.residuals.clear()
+        self.velocities.clear()
+
+    def state_dict(self) -> dict:
+        return {"momentum": self.momentum,
+                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
+                "velocities": {k: v.detach().clone() for k, v in self.velocities.items()}}
+
+    def load_state_dict(self, state: dict, device_of: Optional[Dict[str, torch.device]] = None) -> None:
+        def place(name: str, t: torch.Tensor) -> torch.Tensor:
+            dev = device_of.get(name) if device_of else None
+            return t.detach().clone() if dev is None else t.detach().to(dev, copy=True)
+
+        self.residuals = {k: place(k, v) for k, v in state.get("residuals", {}).items()}
+        self.velocities = {k: place(k, v) for k, v in state.get("velocities", {}).items()}

@@ -1,0 +1,506 @@
+"""Models for the examples and benchmarks, a name-based factory, and real-model layer shapes.
+
+Trainable models (plain PyTorch, no Horovod):
+
+- :class:`SmallCNN`: two conv layers + two linear layers for 1x28x28 inputs (~225k parameters).
+- :class:`ResNetCNN`: a small ResNet (3 stages of basic residual blocks, widths 16/32/64) for 1x28x28.
+- :class:`CharLSTM`: embedding -> LSTM -> linear, a character-level language model.
+- :class:`MLP`: Linear+ReLU stack; ~25M parameters with its defaults, for communication benchmarks.
+- :class:`ResNet18Style`: the ResNet-18 layout (4 stages x 2 basic blocks, 64..512) for 32x32 inputs.
+
+:func:`build_model` makes any of them by name. :func:`layer_shapes` gives the parameter names and
+shapes of the real ResNet-50, VGG-16 and BERT-base, built from the definitions in this module on the
+``meta`` device (no memory, no downloads), so that compression benchmarks can use realistic tensor
+shapes without torchvision or transformers.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "SmallCNN",
+    "BasicBlock",
+    "ResNetCNN",
+    "CharLSTM",
+    "MLP",
+    "ResNet18Style",
+    "MODEL_NAMES",
+    "build_model",
+    "ResNet50",
+    "VGG16",
+    "BertBase",
+    "LAYER_SHAPE_ARCHS",
+    "CANONICAL_PARAM_COUNTS",
+    "layer_shapes",
+    "count_parameters",
+]
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of scalar parameters in ``model`` (works on the meta device too)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainable models
+# --------------------------------------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """conv(1->32, 3x3) - ReLU - maxpool - conv(32->64, 3x3) - ReLU - maxpool - fc(1600->128) - ReLU - fc(128->10).
+
+    For 1x28x28 inputs (28 -> 26 -> 13 -> 11 -> 5); 225,034 parameters with the defaults.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, hidden: int = 128) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=3)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3)
+        self.fc1 = nn.Linear(64 * 5 * 5, hidden)
+        self.fc2 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return self.fc2(x)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv+BN layers with an identity (or 1x1 conv+BN projection) shortcut."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+def _stage(in_channels: int, out_channels: int, blocks: int, stride: int) -> nn.Sequential:
+    layers = [BasicBlock(in_channels, out_channels, stride)]
+    layers += [BasicBlock(out_channels, out_channels, 1) for _ in range(blocks - 1)]
+    return nn.Sequential(*layers)
+
+
+class ResNetCNN(nn.Module):
+    """A small ResNet for 1x28x28: 3x3 stem, 3 stages of basic blocks (strides 1/2/2), global pool, linear.
+
+    With the defaults (widths 16/32/64, 2 blocks per stage) it has 174,970 parameters.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        widths: Sequence[int] = (16, 32, 64),
+        blocks_per_stage: int = 2,
+    ) -> None:
+        super().__init__()
+        if len(widths) < 1 or blocks_per_stage < 1:
+            raise ValueError(f"ResNetCNN needs at least one stage and one block per stage, got widths={widths}, "
+                             f"blocks_per_stage={blocks_per_stage}")
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(inplace=True),
+        )
+        stages = []
+        prev = widths[0]
+        for i, w in enumerate(widths):
+            stages.append(_stage(prev, w, blocks_per_stage, stride=1 if i == 0 else 2))
+            prev = w
+        self.stages = nn.Sequential(*stages)
+        self.fc = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CharLSTM(nn.Module):
+    """Character-level language model: embedding -> ``nn.LSTM(batch_first=True)`` -> linear to the vocabulary.
+
+    ``forward(x)`` maps int64 ids ``[B, T]`` to logits ``[B, T, vocab_size]``; :meth:`step` also
+    takes and returns the recurrent state, for generation.
+    """
+
+    def __init__(self, vocab_size: int, embed: int = 64, hidden: int = 256, layers: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.embedding = nn.Embedding(vocab_size, embed)
+        self.lstm = nn.LSTM(embed, hidden, num_layers=layers, batch_first=True, dropout=dropout if layers > 1 else 0.0)
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def step(
+        self, x: torch.Tensor, state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """Logits ``[B, T, V]`` and the new ``(h, c)`` state, starting from ``state`` (zeros if None)."""
+        out, new_state = self.lstm(self.embedding(x), state)
+        return self.head(out), new_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(x)[0]
+
+
+class MLP(nn.Module):
+    """Linear layers of the given ``sizes`` with ReLU between them (none after the last).
+
+    Inputs with more than two dimensions are flattened from dimension 1. The defaults
+    (2048, 4096, 4096, 10) give 25,214,986 parameters.
+    """
+
+    def __init__(self, sizes: Sequence[int] = (2048, 4096, 4096, 10)) -> None:
+        super().__init__()
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise ValueError(f"MLP sizes must list at least an input and an output size, all positive; got {sizes}")
+        self.sizes = sizes
+        layers: List[nn.Module] = []
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(nn.Linear(a, b))
+            if i < len(sizes) - 2:
+                layers.append(nn.ReLU(inplace=True))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.flatten(x, 1) if x.dim() > 2 else x)
+
+
+class ResNet18Style(nn.Module):
+    """ResNet-18 layout for 32x32 inputs: 3x3 stem (no max-pool), 4 stages x 2 basic blocks, widths 64/128/256/512.
+
+    11,173,962 parameters for 10 classes and 3 input channels.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 64, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.layer1 = _stage(64, 64, 2, 1)
+        self.layer2 = _stage(64, 128, 2, 2)
+        self.layer3 = _stage(128, 256, 2, 2)
+        self.layer4 = _stage(256, 512, 2, 2)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+_MODELS: Dict[str, Callable[..., nn.Module]] = {
+    "cnn": SmallCNN,
+    "resnet": ResNetCNN,
+    "lstm": CharLSTM,
+    "mlp": MLP,
+    "resnet18": ResNet18Style,
+}
+MODEL_NAMES: Tuple[str, ...] = tuple(_MODELS)
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """Build a model by name: "cnn" (:class:`SmallCNN`), "resnet" (:class:`ResNetCNN`), "lstm"
+    (:class:`CharLSTM`, needs ``vocab_size=``), "mlp" (:class:`MLP`), "resnet18" (:class:`ResNet18Style`).
+
+    Keyword arguments go to the model's constructor.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones).
+        TypeError: arguments the model does not accept, or a missing required one.
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in _MODELS:
+        raise ValueError(f"Unknown model {name!r}; valid names: {', '.join(MODEL_NAMES)}")
+    cls = _MODELS[key]
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise TypeError(f"build_model({key!r}) could not build {cls.__name__} with {sorted(kwargs)}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Real-model layouts (for layer_shapes; usable as ordinary modules too)
+# --------------------------------------------------------------------------------------------------
+
+
+class _Bottleneck(nn.Module):
+    """ResNet-50 bottleneck: 1x1 reduce, 3x3 (carries the stride), 1x1 expand by 4, projection shortcut when needed."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        out_channels = width * self.expansion
+        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels)
+        self.downsample: Optional[nn.Module] = None
+        if stride != 1 or in_channels != out_channels:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + identity)
+
+
+class ResNet50(nn.Module):
+    """ImageNet ResNet-50 (blocks 3/4/6/3, bottleneck widths 64..512, 1000 classes): 25,557,032 parameters."""
+
+    def __init__(self, num_classes: int = 1000, in_channels: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        prev = 64
+        for i, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+            stride = 1 if i == 0 else 2
+            layer = []
+            for b in range(blocks):
+                layer.append(_Bottleneck(prev, width, stride if b == 0 else 1))
+                prev = width * _Bottleneck.expansion
+            setattr(self, f"layer{i + 1}", nn.Sequential(*layer))
+        self.fc = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, stride=2, padding=1)
+        for i in range(1, 5):
+            x = getattr(self, f"layer{i}")(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class VGG16(nn.Module):
+    """VGG-16 (configuration D, no BatchNorm, 1000 classes): 138,357,544 parameters.
+
+    Parameter names follow the usual layout: ``features.<i>`` for the conv layers (ReLU and max-pool
+    take indices too) and ``classifier.0/3/6`` for the three linear layers.
+    """
+
+    CONFIG: Tuple[object, ...] = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+    def __init__(self, num_classes: int = 1000, in_channels: int = 3) -> None:
+        super().__init__()
+        layers: List[nn.Module] = []
+        prev = in_channels
+        for item in self.CONFIG:
+            if item == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                assert isinstance(item, int)
+                layers += [nn.Conv2d(prev, item, 3, padding=1), nn.ReLU(inplace=True)]
+                prev = item
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(
+            nn.Linear(prev * 7 * 7, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(),
+            nn.Linear(4096, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.adaptive_avg_pool2d(self.features(x), (7, 7))
+        return self.classifier(torch.flatten(x, 1))
+
+
+class _BertEmbeddings(nn.Module):
+    def __init__(self, vocab: int, hidden: int, max_pos: int, type_vocab: int, eps: float) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+        self.position_embeddings = nn.Embedding(max_pos, hidden)
+        self.token_type_embeddings = nn.Embedding(type_vocab, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(pos) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(x)
+
+
+class _BertSelfAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        b, t, h = x.shape
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, h)
+
+
+class _BertDenseNorm(nn.Module):
+    """``dense`` projection followed by a residual add and ``LayerNorm`` (BERT's "output" sub-layers)."""
+
+    def __init__(self, d_in: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_in, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _BertAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.self = _BertSelfAttention(hidden, heads)
+        self.output = _BertDenseNorm(hidden, hidden, eps)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class _BertIntermediate(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(x))
+
+
+class _BertLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float) -> None:
+        super().__init__()
+        self.attention = _BertAttention(hidden, heads, eps)
+        self.intermediate = _BertIntermediate(hidden, intermediate)
+        self.output = _BertDenseNorm(intermediate, hidden, eps)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class _BertEncoder(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, intermediate: int, eps: float) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_BertLayer(hidden, heads, intermediate, eps) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x, mask)
+        return x
+
+
+class _BertPooler(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertBase(nn.Module):
+    """BERT-base encoder with pooler, no pre-training heads: 109,482,240 parameters with the defaults
+    (uncased vocabulary 30522, 12 layers, hidden 768, 12 heads, intermediate 3072, 512 positions, 2 token types).
+
+    ``forward(input_ids, token_type_ids=None, attention_mask=None)`` returns
+    ``(sequence_output [B, T, H], pooled_output [B, H])``; ``attention_mask`` is 1 for real tokens, 0 for padding.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,
+        hidden: int = 768,
+        layers: int = 12,
+        heads: int = 12,
+        intermediate: int = 3072,
+        max_position: int = 512,
+        type_vocab: int = 2,
+        eps: float = 1e-12,
+    ) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
+        self.embeddings = _BertEmbeddings(vocab_size, hidden, max_position, type_vocab, eps)
+        self.encoder = _BertEncoder(layers, hidden, heads, intermediate, eps)
+        self.pooler = _BertPooler(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, None, None, :].to(torch.bool)  # [B, 1, 1, T], broadcast over heads and queries
+        x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+        return x, self.pooler(x)
+
+
+_LAYOUTS: Dict[str, Callable[[], nn.Module]] = {
+    "resnet50": ResNet50,
+    "vgg16": VGG16,
+    "bert-base": BertBase,
+}
+LAYER_SHAPE_ARCHS: Tuple[str, ...] = tuple(_LAYOUTS)
+#: Canonical parameter totals that :func:`layer_shapes` reproduces.
+CANONICAL_PARAM_COUNTS: Dict[str, int] = {
+    "resnet50": 25_557_032,
+    "vgg16": 138_357_544,
+    "bert-base": 109_482_240,
+}
+_ARCH_ALIASES = {"resnet-50": "resnet50", "vgg-16": "vgg16", "bert": "bert-base", "bert_base": "bert-base", "bertbase": "bert-base"}
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_shapes(arch: str) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    with torch.device("meta"):
+        model = _LAYOUTS[arch]()
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def layer_shapes(arch: str) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Parameter names and shapes, in registration order, of a real model: "resnet50", "vgg16" or "bert-base".
+
+    The model is instantiated from this module's definitions on the ``meta`` device, so nothing is
+    allocated or downloaded. Totals: ResNet-50 25,557,032; VGG-16 138,357,544; BERT-base 109,482,240
+    (see :data:`CANONICAL_PARAM_COUNTS`). BatchNorm running statistics are buffers and not included.
+
+    Raises:
+        ValueError: unknown ``arch`` (the message lists the valid ones).
+    """
+    key = arch.strip().lower() if isinstance(arch, str) else arch
+    key = _ARCH_ALIASES.get(key, key)
+    if key not in _LAYOUTS:
+        raise ValueError(f"Unknown architecture {arch!r}; valid: {', '.join(LAYER_SHAPE_ARCHS)}")
+    return list(_layer_shapes(key))

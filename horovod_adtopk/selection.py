@@ -1,0 +1,341 @@
+"""Selection rules: which gradient entries a rank sends.
+
+Pure tensor functions, no Horovod. Every rule takes the error-compensated gradient ``a`` (any shape,
+any floating dtype, any device) and returns the signed values it keeps and where they sit. Nothing here
+keeps state or touches the global RNG; randomness comes from a caller-owned ``torch.Generator``.
+
+All-dimension top-k (ADTopk, Ming et al., HPDC 2024)
+---------------------------------------------------
+A tensor with two or more dims is viewed as the matrix ``M = a.reshape(d0, -1)`` (rows = output units or
+channels). A *fiber* is one row (``axis=1``) or one column (``axis=0``) of ``M``. Every fiber keeps its own
+
+    k = max(1, floor(ratio * fiber_len))
+
+entries of largest ``|M|``, so no output unit is left without an update ("dimension missing" in the
+paper), the payload size ``num_fibers * k`` is the same on every rank, and the work is many small
+independent partial sorts instead of one large one.
+
+``axis="auto"`` lets fibers run along the longer axis of ``M``. The authors select along dim 1 of the
+*native* shape: for a conv weight ``[Cout, Cin, kh, kw]`` that is one fiber of length ``Cin`` per
+``(cout, kh, kw)``, and for the first conv (``Cin=3``) ``k >= 1`` inflates the density to 33%. Viewing
+``[d0, -1]`` gives fibers of length ``Cin*kh*kw``, and picking the longer axis keeps an embedding
+``[V, E]`` from sending ``k`` entries for every vocabulary row (it sends per embedding column instead).
+Both keep the effective density close to ``ratio``; :func:`effective_density` reports it.
+
+Global top-k keeps ``k = max(1, floor(ratio * numel))`` entries of the flattened tensor. Threshold rules
+keep ``|a| >= t`` with ``t`` estimated per call (DGC, Gaussian-k, RedSync, SIDCo) or given (threshold);
+they send a variable number of entries.
+
+Non-finite values: ``topk`` ranks NaN and +-Inf above every finite magnitude, so a non-finite entry is
+always among those sent; threshold rules send them explicitly (see :func:`threshold_select`). The
+aggregated gradient then carries the NaN/Inf to the user's code, as a dense allreduce would.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+Axis = Union[int, str]
+
+
+def check_ratio(ratio: float) -> float:
+    """Validate a density ``ratio`` in (0, 1]; return it as float."""
+    try:
+        value = float(ratio)
+    except (TypeError, ValueError):
+        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}") from None
+    if not (0.0 < value <= 1.0):  # also rejects NaN
+        raise ValueError(f"ratio must be in (0, 1] (e.g. 0.01 keeps 1% of each fiber), got {ratio!r}")
+    return value
+
+
+def keep_count(ratio: float, n: int) -> int:
+    """``max(1, floor(ratio * n))`` for ``n >= 1`` (0 for ``n == 0``): entries kept out of ``n``."""
+    if n <= 0:
+        return 0
+    return max(1, int(math.floor(ratio * n)))
+
+
+@dataclass(frozen=True)
+class FiberLayout:
+    """How a tensor is cut into fibers for all-dimension top-k.
+
+    ``rows x cols`` is the matrix view ``a.reshape(rows, cols)``; ``axis`` is the axis fibers run along
+    (1: each row is a fiber, 0: each column is a fiber); ``k`` entries are kept per fiber.
+    """
+
+    shape: Tuple[int, ...]
+    rows: int
+    cols: int
+    axis: int
+    k: int
+
+    @property
+    def num_fibers(self) -> int:
+        return self.rows if self.axis == 1 else self.cols
+
+    @property
+    def fiber_len(self) -> int:
+        return self.cols if self.axis == 1 else self.rows
+
+    @property
+    def count(self) -> int:
+        """Entries kept per rank: ``num_fibers * k``."""
+        return self.num_fibers * self.k
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def stride(self) -> int:
+        """Distance in the flat tensor between neighbours along a fiber."""
+        return 1 if self.axis == 1 else self.cols
+
+
+def matrix_view_shape(shape: Tuple[int, ...]) -> Tuple[int, int]:
+    """``(d0, prod(rest))``: the matrix view of a tensor of 2 or more dims."""
+    if len(shape) < 2:
+        raise ValueError(f"all-dimension top-k needs a tensor of 2 or more dims, got shape {tuple(shape)}")
+    rows = int(shape[0])
+    cols = int(math.prod(shape[1:]))
+    return rows, cols
+
+
+def resolve_axis(rows: int, cols: int, axis: Axis) -> int:
+    """Turn ``axis`` (0, 1 or "auto") into 0 or 1. "auto": fibers along the longer axis (1 on ties)."""
+    if isinstance(axis, str):
+        if axis != "auto":
+            raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
+        return 1 if cols >= rows else 0
+    if isinstance(axis, bool) or axis not in (0, 1):
+        raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
+    return int(axis)
+
+
+def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto") -> FiberLayout:
+    """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``."""
+    rows, cols = matrix_view_shape(tuple(shape))
+    ax = resolve_axis(rows, cols, axis)
+    fiber_len = cols if ax == 1 else rows
+    return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(check_ratio(ratio), fiber_len))
+
+
+def effective_density(layout: FiberLayout) -> float:
+    """Fraction of the tensor's entries that all-dimension top-k sends (>= ratio because of ``k >= 1``)."""
+    return layout.count / layout.numel if layout.numel else 0.0
+
+
+def all_dimension_topk(a: torch.Tensor, layout: FiberLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-fiber top-k of ``|a|``.
+
+    Returns ``(values, local)``, both shaped ``[num_fibers, k]`` in fiber-major order: ``values`` are the
+    signed entries of ``a`` and ``local`` their positions inside the fiber (0 .. fiber_len-1, int64).
+    """
+    m = a.reshape(layout.rows, layout.cols)
+    if layout.axis == 0:
+        # Columns are fibers: a contiguous transpose makes each fiber a contiguous row, which is
+        # what the CPU and CUDA topk kernels are fastest on.
+        m = m.t().contiguous()
+    _, local = torch.topk(m.abs(), layout.k, dim=1, largest=True, sorted=False)
+    values = torch.gather(m, 1, local)
+    return values, local
+
+
+def fiber_bases(layout: FiberLayout, device: torch.device) -> torch.Tensor:
+    """Flat offset of the first element of every fiber, repeated ``k`` times: ``[num_fibers * k]`` int64.
+
+    ``flat = bases + local * layout.stride`` maps fiber-local indices (fiber-major order) to flat ones.
+    """
+    fibers = torch.arange(layout.num_fibers, device=device, dtype=torch.int64)
+    first = fibers * layout.cols if layout.axis == 1 else fibers
+    return first.repeat_interleave(layout.k)
+
+
+def local_to_flat(local: torch.Tensor, layout: FiberLayout, bases: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Flat indices (int64) of fiber-local indices laid out fiber-major as :func:`all_dimension_topk` gives."""
+    if bases is None:
+        bases = fiber_bases(layout, local.device)
+    return bases + local.reshape(-1).to(torch.int64) * layout.stride
+
+
+def global_topk(a: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of ``|a|`` over the flattened tensor: ``(values, flat_indices)``, 1-D, signed values."""
+    flat = a.reshape(-1)
+    _, idx = torch.topk(flat.abs(), k, sorted=False)
+    return flat[idx], idx
+
+
+def threshold_select(a: torch.Tensor, threshold: Union[float, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entries with ``|a| >= threshold`` (plus every non-finite entry): ``(values, flat_indices)``.
+
+    The count varies; it may be zero.
+    """
+    flat = a.reshape(-1)
+    mag = flat.abs()
+    mask = (mag >= threshold) | ~torch.isfinite(flat)
+    idx = mask.nonzero().reshape(-1)
+    return flat[idx], idx
+
+
+def fiber_threshold_select(a: torch.Tensor, layout: FiberLayout, thresholds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entries whose ``|a|`` reaches their own fiber's threshold (``thresholds``: ``[num_fibers]``).
+
+    Returns ``(values, flat_indices)`` of variable length (ADTopk-T between exact steps).
+    """
+    m = a.reshape(layout.rows, layout.cols)
+    thr = thresholds.to(m.dtype)
+    thr = thr.reshape(-1, 1) if layout.axis == 1 else thr.reshape(1, -1)
+    mask = (m.abs() >= thr) | ~torch.isfinite(m)
+    idx = mask.reshape(-1).nonzero().reshape(-1)
+    return a.reshape(-1)[idx], idx
+
+
+def random_positions(numel: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``k`` distinct random flat positions out of ``numel``, drawn from ``generator`` (sorted, int64)."""
+    perm = torch.randperm(numel, generator=generator, device=generator.device)[:k]
+    return perm.sort().values.to(device)
+
+
+# --- threshold estimators -------------------------------------------------------------------------------
+# Each returns a Python float t >= 0 such that about k = ratio * numel entries have |a| >= t. They never
+# need to agree across ranks: threshold payloads travel as variable-size allgathers.
+
+
+def _count_at_least(mag: torch.Tensor, t: float) -> int:
+    return int((mag >= t).sum())
+
+
+def refine_threshold(mag: torch.Tensor, t: float, k: int, max_iters: int = 5, tolerance: float = 1.25) -> float:
+    """Move ``t`` toward a count of ``k`` entries of ``mag >= t`` with a bracketed search.
+
+    Stops as soon as the count is within ``[k / tolerance, k * tolerance]`` or after ``max_iters`` full
+    passes. Used to correct a fitted threshold (Gaussian-k, SIDCo, DGC's sampled estimate).
+    """
+    lo, hi = 0.0, None  # t in (lo, hi): count(lo) too big, count(hi) too small
+    finite = mag[torch.isfinite(mag)]
+    top = float(finite.max()) if finite.numel() else 0.0
+    for _ in range(max_iters):
+        c = _count_at_least(mag, t)
+        if k / tolerance <= c <= k * tolerance:
+            break
+        if c > k * tolerance:
+            lo = t
+            t = t * 2.0 if hi is None else 0.5 * (t + hi)
+            if t == 0.0:
+                t = top * 0.5
+        else:
+            hi = t
+            t = 0.5 * (lo + t)
+        if hi is not None and top > 0:
+            t = min(t, top)
+    return float(t)
+
+
+def dgc_threshold(mag: torch.Tensor, ratio: float, generator: torch.Generator, sample_fraction: float = 0.01,
+                  min_sample: int = 1000) -> float:
+    """DGC (Lin et al., ICLR 2018): top-``ratio`` threshold of a random sample of ``|a|`` (about 1%)."""
+    n = mag.numel()
+    s = min(n, max(min_sample, int(n * sample_fraction)))
+    pos = torch.randint(0, n, (s,), generator=generator, device=generator.device).to(mag.device)
+    sample = mag[pos]
+    ks = keep_count(ratio, s)
+    return float(torch.topk(sample, ks, sorted=False).values.min())
+
+
+_SQRT2 = math.sqrt(2.0)
+
+
+def normal_quantile(p: float) -> float:
+    """Inverse of the standard normal CDF, by bisection on ``math.erf`` (accurate to ~1e-12)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    lo, hi = -40.0, 40.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if 0.5 * (1.0 + math.erf(mid / _SQRT2)) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def gaussian_threshold(a: torch.Tensor, ratio: float) -> float:
+    """Gaussian-k (Shi et al., 2019): fit N(mu, sigma) to ``a``; keep the two tails of mass ``ratio``.
+
+    ``t = |mu| + sigma * Phi^-1(1 - ratio / 2)``.
+    """
+    flat = a.reshape(-1).double()
+    finite = flat[torch.isfinite(flat)]
+    if finite.numel() < 2:
+        return 0.0
+    mu = float(finite.mean())
+    sigma = float(finite.std())
+    if ratio >= 1.0:
+        return 0.0
+    return abs(mu) + sigma * normal_quantile(1.0 - ratio / 2.0)
+
+
+def redsync_threshold(mag: torch.Tensor, k: int, max_iters: int = 20, tolerance: float = 1.25) -> float:
+    """RedSync (Fang et al., 2019): binary search ``r`` in [0, 1] for ``t = mean + r * (max - mean)``."""
+    finite = mag[torch.isfinite(mag)]
+    if finite.numel() == 0:
+        return 0.0
+    mean, top = float(finite.mean()), float(finite.max())
+    lo, hi = 0.0, 1.0
+    t = mean
+    for _ in range(max_iters):
+        r = 0.5 * (lo + hi)
+        t = mean + r * (top - mean)
+        c = _count_at_least(mag, t)
+        if k / tolerance <= c <= k * tolerance:
+            break
+        if c > k * tolerance:
+            lo = r
+        else:
+            hi = r
+    if _count_at_least(mag, t) == 0 and top > 0:
+        t = top
+    return float(t)
+
+
+def sidco_threshold(mag: torch.Tensor, ratio: float, stages: int = 2, distribution: str = "exponential") -> float:
+    """SIDCo (Abdelmoniem et al., MLSys 2021): multi-stage fit of the tail of ``|a|``.
+
+    Stage ``s`` fits the chosen distribution to the exceedances over the previous threshold and keeps
+    a tail of mass ``ratio ** (1 / stages)``, so that the stages compound to ``ratio``.
+
+    - exponential: scale = mean exceedance; ``t += scale * ln(1 / q)``.
+    - gamma: method-of-moments shape/scale, tail by a Wilson-Hilferty normal approximation.
+    - gpareto: method-of-moments generalized Pareto; ``t += sigma / xi * (q ** -xi - 1)``.
+    """
+    if distribution not in ("exponential", "gamma", "gpareto"):
+        raise ValueError(f"distribution must be 'exponential', 'gamma' or 'gpareto', got {distribution!r}")
+    x = mag[torch.isfinite(mag)].double()
+    q = ratio ** (1.0 / stages)
+    t = 0.0
+    for _ in range(stages):
+        exceed = x[x > t] - t
+        if exceed.numel() < 2:
+            break
+        mean = float(exceed.mean())
+        if mean <= 0:
+            break
+        if distribution == "exponential":
+            t += mean * math.log(1.0 / q)
+        elif distribution == "gamma":
+            var = float(exceed.var())
+            shape = mean * mean / var if var > 0 else 1.0
+            scale = var / mean if var > 0 else mean
+            z = normal_quantile(1.0 - q)
+            wh = shape * (1 - 1 / (9 * shape) + z * math.sqrt(1 / (9 * shape))) ** 3  # Wilson-Hilferty
+            t += max(wh, 0.0) * scale
+        else:
+            var = float(exceed.var())
+            xi = 0.5 * (1.0 - mean * mean / var) if var > 0 else 0.0
+            sigma = 0.5 * mean * (mean * mean / var + 1.0) if var > 0 else mean
+            t += sigma * math.log(1.0 / q) if abs(xi) < 1e-6 else sigma / xi * (q ** -xi - 1.0)
+    return float(t)

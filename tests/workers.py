@@ -1,0 +1,193 @@
+"""Functions run on every rank by tests.harness (one per multi-rank scenario).
+
+Each takes ``(args, outdir)``, runs after ``hvd.init()``, and returns JSON-able data; bulky arrays go to
+``outdir`` as ``.npz`` for the test (numpy reference) to read.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+import horovod_adtopk as hat
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def smoke_collectives(args, outdir):
+    """Allgather with a different first dimension on every rank, and an allreduce."""
+    r, w = hvd.rank(), hvd.size()
+    rows = r + 1
+    local = torch.full((rows, 3), float(r)) + torch.arange(3.0)
+    gathered = hvd.allgather(local, name="smoke.gather")
+    summed = hvd.allreduce(torch.tensor([float(r + 1), 2.0 * r]), name="smoke.sum", op=hvd.Sum)
+    return {"rank": r, "size": w, "gathered": gathered.tolist(), "summed": summed.tolist()}
+
+
+def _case_params(case):
+    dtype = DTYPES[case.get("dtype", "float32")]
+    gen = torch.Generator().manual_seed(1234)
+    params = torch.nn.ParameterDict()
+    for name, shape in case["shapes"].items():
+        params[name] = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
+    return params
+
+
+def _case_compression(case):
+    kind = case.get("compressor", "adtopk")
+    if kind in ("none", "fp16"):
+        return hat.Compression.get(kind)
+    kwargs = dict(case.get("kwargs", {}))
+    if "value_dtype" in kwargs and kwargs["value_dtype"] is not None:
+        kwargs["value_dtype"] = DTYPES[kwargs["value_dtype"]]
+    return hat.Compression.get(kind, **kwargs)
+
+
+def local_gradient(case_index: int, rank: int, step: int, name: str, shape, dtype, scale: float = 1.0):
+    seed = int(hashlib.sha256(f"{case_index}/{rank}/{step}/{name}".encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def reference_cases(args, outdir):
+    """For each case: feed known per-rank gradients, synchronize, record the aggregated gradients."""
+    rank = hvd.rank()
+    summary = []
+    for ci, case in enumerate(args["cases"]):
+        params = _case_params(case)
+        named = [(f"case{ci}.{n}", p) for n, p in params.items()]
+        opt = hat.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0), named_parameters=named,
+                                       compression=_case_compression(case),
+                                       op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
+                                       gradient_predivide_factor=case.get("predivide", 1.0))
+        dtype = DTYPES[case.get("dtype", "float32")]
+        arrays = {}
+        for t in range(case.get("steps", 3)):
+            for n, p in params.items():
+                g = local_gradient(ci, rank, t, n, p.shape, dtype, case.get("scale", {}).get(n, 1.0))
+                p.grad = g.clone()
+                arrays[f"g/{t}/{n}"] = g.numpy()
+            opt.synchronize()
+            for n, p in params.items():
+                arrays[f"out/{t}/{n}"] = p.grad.numpy().copy()
+        mem = opt.state_dict()["horovod_adtopk"]["ranks"][rank]["memory"]
+        for n, res in (mem.get("residuals") or {}).items():
+            arrays[f"res/{n}"] = res.numpy()
+        np.savez(Path(outdir, f"case{ci}_rank{rank}.npz"), **arrays)
+        st = opt.stats()
+        summary.append({"paths": {n: v["path"] for n, v in st["tensors"].items()},
+                        "bytes_sent": st["bytes_sent"], "elements_sent": st["elements_sent"],
+                        "tensors": st["tensors"]})
+    return summary
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 8, 3)
+        self.conv2 = torch.nn.Conv2d(8, 16, 3)
+        self.fc1 = torch.nn.Linear(16 * 5 * 5, 64)
+        self.fc2 = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.nn.functional.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def params_digest(model) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_consistency(args, outdir):
+    """Train a small CNN on rank-specific random data with each compressor; return the parameter digests."""
+    out = {}
+    for spec in args["compressors"]:
+        torch.manual_seed(0)
+        model = SmallCNN()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        comp = _case_compression(spec)
+        base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = hat.DistributedOptimizer(base, named_parameters=[(f"{spec['compressor']}.{n}", p)
+                                                               for n, p in model.named_parameters()],
+                                       compression=comp,
+                                       backward_passes_per_step=spec.get("bpps", 1))
+        gen = torch.Generator().manual_seed(100 + hvd.rank())
+        losses = []
+        for step in range(args["steps"]):
+            for _ in range(spec.get("bpps", 1)):
+                x = torch.randn(16, 1, 28, 28, generator=gen)
+                y = torch.randint(0, 10, (16,), generator=gen)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        digests = hvd.allgather_object(params_digest(model), name=f"digest.{spec['compressor']}")
+        out[spec["compressor"]] = {"digests": digests, "first_loss": losses[0], "last_loss": losses[-1],
+                                   "density": opt.stats()["density"]}
+    return out
+
+
+def expect_errors(args, outdir):
+    """Scenarios that must raise a clear error on every rank (never hang)."""
+    rank = hvd.rank()
+    results = {}
+    scenario = args["scenario"]
+    if scenario == "config_mismatch":
+        ratio = 0.01 if rank == 0 else 0.02
+        model = torch.nn.Linear(64, 64)
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=ratio, min_numel=0))
+    elif scenario == "param_mismatch":
+        model = torch.nn.Linear(64, 64 if rank == 0 else 32)
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=0.01))
+    elif scenario == "stock_optimizer":
+        model = torch.nn.Linear(64, 64)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=0.01))
+    else:
+        raise ValueError(scenario)
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    except Exception as exc:  # the point: a clear error, on every rank
+        results = {"error": type(exc).__name__, "message": str(exc)}
+    else:
+        results = {"error": None}
+    return results
+
+
+def process_set_case(args, outdir):
+    """A process set of ranks {0, 1} out of 3: rank 2 takes no part; members average over 2."""
+    ps = hvd.add_process_set([0, 1])
+    rank = hvd.rank()
+    params = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(8, 64, dtype=torch.float64))})
+    opt = hat.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0), named_parameters=params.named_parameters(),
+                                   compression=hat.Compression.adtopk(ratio=0.25, min_numel=0, hybrid=False),
+                                   process_set=ps)
+    g = local_gradient(0, rank, 0, "w", (8, 64), torch.float64)
+    params["w"].grad = g.clone()
+    opt.synchronize()
+    np.savez(Path(outdir, f"ps_rank{rank}.npz"), g=g.numpy(), out=params["w"].grad.numpy())
+    hvd.remove_process_set(ps)
+    return {"member": rank in (0, 1)}
+
+
+def hang_forever(args, outdir):
+    """Rank 0 waits in a collective that rank 1 never joins (a hung job, for the harness's timeout test)."""
+    import time
+    if hvd.rank() == 0:
+        hvd.allreduce(torch.ones(1), name="never.matched")
+    time.sleep(3600)
