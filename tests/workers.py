@@ -32,8 +32,8 @@ def _case_params(case):
     gen = torch.Generator().manual_seed(1234)
     params = torch.nn.ParameterDict()
     for name, shape in case["shapes"].items():
-        params[name] = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
-    return params
+        params[name.replace(".", "__")] = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
+    return {name: params[name.replace(".", "__")] for name in case["shapes"]}
 
 
 def _case_compression(case):
@@ -59,7 +59,7 @@ def reference_cases(args, outdir):
     for ci, case in enumerate(args["cases"]):
         params = _case_params(case)
         named = [(f"case{ci}.{n}", p) for n, p in params.items()]
-        opt = hat.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0), named_parameters=named,
+        opt = hat.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.0), named_parameters=named,
                                        compression=_case_compression(case),
                                        op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
                                        gradient_predivide_factor=case.get("predivide", 1.0))
@@ -75,12 +75,12 @@ def reference_cases(args, outdir):
                 arrays[f"out/{t}/{n}"] = p.grad.numpy().copy()
         mem = opt.state_dict()["horovod_adtopk"]["ranks"][rank]["memory"]
         for n, res in (mem.get("residuals") or {}).items():
-            arrays[f"res/{n}"] = res.numpy()
+            arrays[f"res/{n.split('.', 1)[1]}"] = res.numpy()
         np.savez(Path(outdir, f"case{ci}_rank{rank}.npz"), **arrays)
         st = opt.stats()
-        summary.append({"paths": {n: v["path"] for n, v in st["tensors"].items()},
-                        "bytes_sent": st["bytes_sent"], "elements_sent": st["elements_sent"],
-                        "tensors": st["tensors"]})
+        tensors = {n.split(".", 1)[1]: v for n, v in st["tensors"].items()}
+        summary.append({"paths": {n: v["path"] for n, v in tensors.items()},
+                        "bytes_sent": st["bytes_sent"], "elements_sent": st["elements_sent"], "tensors": tensors})
     return summary
 
 
