@@ -20,6 +20,8 @@ def main() -> int:
         traceback.print_exc()
         Path(outdir, f"rank{rank}.error").write_text(traceback.format_exc())
         return 1
+    if isinstance(result, dict):
+        result.setdefault("outdir", outdir)
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
     return 0
 

@@ -11,8 +11,10 @@ collective fails the test in bounded time instead of hanging CI.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,7 +79,10 @@ def launch(worker: str, np: int = 2, controller: str = "gloo", args: Optional[Di
            timeout: float = 120.0, extra_horovodrun: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
            workdir: Optional[str] = None):
     """Run the job; return ``(returncode, log, outdir, seconds)`` without judging it (returncode None on timeout)."""
-    outdir = workdir or tempfile.mkdtemp(prefix="hat-ranks-")
+    if workdir is None:
+        workdir = tempfile.mkdtemp(prefix="hat-ranks-")
+        atexit.register(shutil.rmtree, workdir, True)
+    outdir = workdir
     Path(outdir, "args.json").write_text(json.dumps(args or {}))
     cmd = [HOROVODRUN, "-np", str(np), f"--{controller}", *(extra_horovodrun or []),
            sys.executable, "-m", "tests._rank_main", worker, str(Path(outdir, "args.json")), outdir]

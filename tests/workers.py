@@ -109,13 +109,14 @@ def params_digest(model) -> str:
 def train_consistency(args, outdir):
     """Train a small CNN on rank-specific random data with each compressor; return the parameter digests."""
     out = {}
-    for spec in args["compressors"]:
+    for si, spec in enumerate(args["compressors"]):
+        label = f"{si}:{spec['compressor']}"
         torch.manual_seed(0)
         model = SmallCNN()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         comp = _case_compression(spec)
         base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        opt = hat.DistributedOptimizer(base, named_parameters=[(f"{spec['compressor']}.{n}", p)
+        opt = hat.DistributedOptimizer(base, named_parameters=[(f"{si}.{n}", p)
                                                                for n, p in model.named_parameters()],
                                        compression=comp,
                                        backward_passes_per_step=spec.get("bpps", 1))
@@ -130,8 +131,8 @@ def train_consistency(args, outdir):
             opt.step()
             opt.zero_grad()
             losses.append(float(loss))
-        digests = hvd.allgather_object(params_digest(model), name=f"digest.{spec['compressor']}")
-        out[spec["compressor"]] = {"digests": digests, "first_loss": losses[0], "last_loss": losses[-1],
+        digests = hvd.allgather_object(params_digest(model), name=f"digest.{si}")
+        out[label] = {"digests": digests, "first_loss": losses[0], "last_loss": losses[-1],
                                    "density": opt.stats()["density"]}
     return out
 
@@ -157,6 +158,17 @@ def expect_errors(args, outdir):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        compression=hat.Compression.adtopk(ratio=0.01))
+    elif scenario == "sparse_gradient":
+        model = torch.nn.Embedding(100, 8, sparse=True)
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=0.01))
+        try:
+            model(torch.tensor([1, 2])).sum().backward()
+            opt.step()
+        except Exception as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": None}
     else:
         raise ValueError(scenario)
     try:
@@ -191,3 +203,50 @@ def hang_forever(args, outdir):
     if hvd.rank() == 0:
         hvd.allreduce(torch.ones(1), name="never.matched")
     time.sleep(3600)
+
+
+def hooks_reference(args, outdir):
+    """Real backward passes through the gradient hooks (backward_passes_per_step 1 and 2), the
+    synchronize() + skip_synchronize() pattern, and an Embedding/LSTM model; records local and aggregated
+    gradients for the numpy reference."""
+    rank = hvd.rank()
+    bpps = args["bpps"]
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(40, 12)
+            self.lstm = torch.nn.LSTM(12, 16, batch_first=True)
+            self.head = torch.nn.Linear(16, 40)
+
+        def forward(self, x):
+            h, _ = self.lstm(self.embed(x))
+            return self.head(h)
+
+    model = Net().double()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    named = list(model.named_parameters())
+    opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
+                                   compression=hat.Compression.adtopk(ratio=args["ratio"], min_numel=0, hybrid=False),
+                                   backward_passes_per_step=bpps)
+    gen = torch.Generator().manual_seed(10 + rank)
+    arrays = {}
+    for step in range(args["steps"]):
+        local = {n: torch.zeros_like(p) for n, p in named}
+        for _ in range(bpps):
+            x = torch.randint(0, 40, (4, 6), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 40), x.roll(1, dims=1).reshape(-1))
+            grads = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True)
+            for (n, _), g in zip(named, grads):
+                local[n] += g
+            loss.backward()
+        opt.synchronize()
+        for n, p in named:
+            arrays[f"g/{step}/{n}"] = local[n].numpy()
+            arrays[f"out/{step}/{n}"] = p.grad.numpy().copy()
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+    np.savez(Path(outdir, f"hooks_rank{rank}.npz"), **arrays)
+    return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named}}
