@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
@@ -216,6 +216,15 @@ class SparseCompressor(Compressor):
         return True, "sparse"
 
     def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        """Choose the entries of ``a`` (the error-compensated gradient of ``info.name``) to send at ``step``."""
+        if not a.is_floating_point():
+            raise TypeError(f"{info.name}: gradient dtype {a.dtype} is not floating point; compressors select "
+                            "from float16/bfloat16/float32/float64 gradients")
+        if a.is_sparse:
+            raise TypeError(f"{info.name}: sparse tensors are not supported; pass a dense gradient")
+        return self._select(a, info, step)
+
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         raise NotImplementedError
 
     # --- adaptive state (ADTopk-T) --------------------------------------------------------------------------
@@ -265,7 +274,7 @@ class ADTopkCompressor(SparseCompressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(self.layout(info).fiber_len - 1)
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         codec = self.codec(info)
         values, local = sel.all_dimension_topk(a, codec.layout)
         flat = codec.to_flat(local)
@@ -277,7 +286,7 @@ class TopkCompressor(SparseCompressor):
 
     name = "topk"
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         k = sel.keep_count(self.ratio, info.numel)
         values, flat = sel.global_topk(a, k)
         return _flat_selection(values, flat, info.numel, k)
@@ -312,7 +321,7 @@ class RandomkCompressor(SparseCompressor):
         finally:
             self.hybrid = was
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         k = sel.keep_count(self.ratio, info.numel)
         gen = torch.Generator(device="cpu")
         gen.manual_seed(stable_seed(self.seed, info.name, step))
@@ -329,7 +338,7 @@ class _ThresholdCompressor(SparseCompressor):
     def threshold(self, a: torch.Tensor, mag: torch.Tensor, info: TensorInfo, step: int) -> float:
         raise NotImplementedError
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         mag = a.reshape(-1).abs()
         t = self.threshold(a, mag, info, step)
         values, flat = sel.threshold_select(a, t)
@@ -355,7 +364,7 @@ class DGCCompressor(_ThresholdCompressor):
     def extra_config(self) -> dict:
         return {"sample_fraction": self.sample_fraction, "seed": self.seed}
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         k = sel.keep_count(self.ratio, info.numel)
         mag = a.reshape(-1).abs()
         gen = torch.Generator(device="cpu")
@@ -392,7 +401,7 @@ class RedSyncCompressor(_ThresholdCompressor):
 
 class SIDCoCompressor(_ThresholdCompressor):
     """SIDCo (Abdelmoniem et al. 2021): multi-stage exponential (or gamma / gpareto) tail fit, then up
-    to 3 bracketed corrections toward ``k``."""
+    to 4 bracketed corrections toward ``k``."""
 
     name = "sidco"
 
@@ -410,7 +419,7 @@ class SIDCoCompressor(_ThresholdCompressor):
     def threshold(self, a, mag, info, step):
         k = sel.keep_count(self.ratio, info.numel)
         t = sel.sidco_threshold(mag, self.ratio, self.stages, self.distribution)
-        return sel.refine_threshold(mag, t, k, max_iters=3)
+        return sel.refine_threshold(mag, t, k, max_iters=4)
 
 
 class ThresholdCompressor(_ThresholdCompressor):
@@ -459,9 +468,9 @@ class ADTopkICompressor(ADTopkCompressor):
     def uses_adtopk(self, step: int) -> bool:
         return step % self.period == 0
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         if self.uses_adtopk(step):
-            return super().select(a, info, step)
+            return super()._select(a, info, step)
         k = sel.keep_count(self.ratio, info.numel)
         values, flat = sel.global_topk(a, k)
         return _flat_selection(values, flat, info.numel, k)
@@ -501,7 +510,7 @@ class ADTopkTCompressor(ADTopkCompressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(info.numel - 1)
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         codec = self.codec(info)
         st = self._state.get(info.name)
         exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"]
@@ -590,5 +599,3 @@ class Compression:
 def is_sparse(compression) -> bool:
     return isinstance(compression, SparseCompressor)
 
-
-SelectFn = Callable[[torch.Tensor, TensorInfo, int], Selection]

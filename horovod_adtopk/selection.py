@@ -111,7 +111,7 @@ def resolve_axis(rows: int, cols: int, axis: Axis) -> int:
         if axis != "auto":
             raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
         return 1 if cols >= rows else 0
-    if isinstance(axis, bool) or axis not in (0, 1):
+    if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (0, 1):
         raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
     return int(axis)
 
@@ -210,28 +210,37 @@ def _count_at_least(mag: torch.Tensor, t: float) -> int:
 
 
 def refine_threshold(mag: torch.Tensor, t: float, k: int, max_iters: int = 5, tolerance: float = 1.25) -> float:
-    """Move ``t`` toward a count of ``k`` entries of ``mag >= t`` with a bracketed search.
+    """Move ``t`` toward a count of ``k`` entries of ``mag >= t``.
 
-    Stops as soon as the count is within ``[k / tolerance, k * tolerance]`` or after ``max_iters`` full
-    passes. Used to correct a fitted threshold (Gaussian-k, SIDCo, DGC's sampled estimate).
+    Doubles or halves ``t`` until the target count is bracketed, then interpolates (regula falsi) on
+    ``log(count)`` against ``t``, which is close to linear in the tail of gradient magnitudes. Stops as soon
+    as the count is within ``[k / tolerance, k * tolerance]`` or after ``max_iters`` full passes. Used to
+    correct a fitted threshold (Gaussian-k, SIDCo, DGC's sampled estimate).
     """
-    lo, hi = 0.0, None  # t in (lo, hi): count(lo) too big, count(hi) too small
     finite = mag[torch.isfinite(mag)]
     top = float(finite.max()) if finite.numel() else 0.0
+    if top <= 0.0:
+        return float(t)
+    t = min(max(float(t), top * 1e-12), top)
+    lo = hi = None  # (threshold, count) with count too big / too small
+    goal = math.log(k)
     for _ in range(max_iters):
         c = _count_at_least(mag, t)
         if k / tolerance <= c <= k * tolerance:
             break
         if c > k * tolerance:
-            lo = t
-            t = t * 2.0 if hi is None else 0.5 * (t + hi)
-            if t == 0.0:
-                t = top * 0.5
+            lo = (t, c)
         else:
-            hi = t
-            t = 0.5 * (lo + t)
-        if hi is not None and top > 0:
-            t = min(t, top)
+            hi = (t, c)
+        if hi is None:
+            t = min(t * 2.0, top)
+        elif lo is None:
+            t = t * 0.5
+        else:
+            (t_lo, c_lo), (t_hi, c_hi) = lo, hi
+            l_lo, l_hi = math.log(c_lo), math.log(max(c_hi, 0.5))
+            frac = (l_lo - goal) / (l_lo - l_hi)
+            t = t_lo + min(max(frac, 0.05), 0.95) * (t_hi - t_lo)
     return float(t)
 
 

@@ -1,0 +1,134 @@
+"""Selection rules and wire format against numpy, in one process (no Horovod collectives)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from horovod_adtopk import selection as sel
+from horovod_adtopk import wire
+from horovod_adtopk.compressors import Compression, TensorInfo
+from tests import reference as ref
+
+
+def info_of(t, name="w"):
+    return TensorInfo(name, tuple(t.shape), t.numel(), t.dtype)
+
+
+def mask_of(flat, shape):
+    m = np.zeros(int(np.prod(shape)), dtype=bool)
+    m[flat.numpy()] = True
+    return m.reshape(shape)
+
+
+@pytest.mark.parametrize("shape", [(7, 300), (300, 7), (16, 8, 3, 3), (5, 4, 3, 2, 2), (1, 50), (50, 1), (3, 3)])
+@pytest.mark.parametrize("axis", [0, 1, "auto"])
+@pytest.mark.parametrize("ratio", [0.001, 0.1, 0.5, 1.0])
+def test_adtopk_matches_reference(shape, axis, ratio):
+    a = torch.randn(shape, generator=torch.Generator().manual_seed(hash((shape, str(axis))) % 1000), dtype=torch.float64)
+    s = Compression.adtopk(ratio=ratio, axis=axis).select(a, info_of(a), 0)
+    want = ref.adtopk_mask(a.numpy(), ratio, axis)
+    got = mask_of(s.flat, shape)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(s.values.numpy(), a.reshape(-1).numpy()[s.flat.numpy()])  # signed values
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    ax = ref.resolve_axis(rows, cols, axis)
+    fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
+    assert s.values.numel() == nfib * max(1, math.floor(ratio * fib))
+    # wire indices are fiber-local and decode back to the same flat positions
+    assert int(s.wire_index.max()) < fib
+    assert torch.equal(s.codec.to_flat(s.wire_index.to(s.codec.index_dtype)), s.flat)
+
+
+def test_every_fiber_keeps_an_entry_where_global_topk_starves_rows():
+    a = torch.randn(64, 256)
+    a[:8] *= 1000  # eight loud rows
+    s = Compression.adtopk(ratio=0.01, axis=1).select(a, info_of(a), 0)
+    rows_hit = set((s.flat // 256).tolist())
+    assert rows_hit == set(range(64))
+    g = Compression.topk(ratio=0.01).select(a, info_of(a), 0)
+    assert set((g.flat // 256).tolist()) <= set(range(8))
+
+
+@pytest.mark.parametrize("numel,ratio", [(1000, 0.01), (4096, 0.001), (10, 0.5), (7, 1.0)])
+def test_topk_hits_k_exactly(numel, ratio):
+    a = torch.randn(numel // 1 if numel > 10 else numel, 1).reshape(-1, 1).repeat(1, 2)
+    s = Compression.topk(ratio=ratio).select(a, info_of(a), 0)
+    assert s.values.numel() == max(1, math.floor(ratio * a.numel()))
+    np.testing.assert_array_equal(mask_of(s.flat, a.shape), ref.topk_mask(a.numpy(), ratio))
+
+
+def test_index_width():
+    assert wire.index_dtype_for(32767) == torch.int16
+    assert wire.index_dtype_for(32768) == torch.int32
+    assert wire.index_dtype_for(2**31 - 1) == torch.int32
+    assert wire.index_dtype_for(2**31) == torch.int64
+    small = Compression.adtopk(ratio=0.01)
+    assert small.codec(TensorInfo("a", (4096, 4096), 4096 * 4096, torch.float32)).index_dtype == torch.int16
+    assert small.codec(TensorInfo("b", (10, 40000), 400000, torch.float32)).index_dtype == torch.int32
+
+
+@pytest.mark.parametrize("vdtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("idtype", [torch.int16, torch.int32, torch.int64])
+def test_pack_roundtrip(vdtype, idtype):
+    values = torch.randn(37, dtype=torch.float64)
+    index = torch.randint(0, 30000, (37,))
+    payload = wire.pack(values, index, vdtype, idtype)
+    assert payload.dtype == torch.uint8 and payload.shape == (37, wire.entry_bytes(vdtype, idtype))
+    both = torch.cat([payload, payload])  # what an allgather of two ranks looks like
+    v, i = wire.unpack(both, vdtype, idtype)
+    assert torch.equal(v, torch.cat([values.to(vdtype)] * 2))
+    assert torch.equal(i, torch.cat([index] * 2))
+    ev, ei = wire.unpack(payload[:0], vdtype, idtype)
+    assert ev.numel() == 0 and ei.numel() == 0
+
+
+def test_nonfinite_entries_are_always_selected():
+    a = torch.randn(4, 100)
+    a[1, 5] = float("nan")
+    a[2, 7] = float("-inf")
+    s = Compression.adtopk(ratio=0.01, axis=1).select(a, info_of(a), 0)
+    assert {105, 207} <= set(s.flat.tolist())
+    v, f = sel.threshold_select(a, 10.0)
+    assert set(f.tolist()) == {105, 207}
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), "x", None])
+def test_bad_ratio_is_rejected_clearly(bad):
+    with pytest.raises(ValueError, match="ratio"):
+        Compression.adtopk(ratio=bad)
+
+
+@pytest.mark.parametrize("bad", [2, -1, "rows", True, 1.0])
+def test_bad_axis_is_rejected_clearly(bad):
+    with pytest.raises(ValueError, match="axis"):
+        Compression.adtopk(ratio=0.1, axis=bad)
+
+
+def test_other_bad_arguments():
+    with pytest.raises(ValueError, match="value_dtype"):
+        Compression.adtopk(ratio=0.1, value_dtype=torch.int32)
+    with pytest.raises(ValueError, match="min_numel"):
+        Compression.adtopk(ratio=0.1, min_numel=-1)
+    with pytest.raises(ValueError, match="threshold"):
+        Compression.threshold(threshold=-1.0)
+    with pytest.raises(ValueError, match="unknown compressor 'nope'"):
+        Compression.get("nope", ratio=0.1)
+    with pytest.raises(ValueError, match="dense"):
+        Compression.get("none", ratio=0.1)
+    with pytest.raises(TypeError, match="horovod_adtopk.DistributedOptimizer"):
+        Compression.adtopk(ratio=0.1).compress(torch.ones(3, 3))
+
+
+def test_integer_gradients_are_rejected():
+    a = torch.ones(8, 8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="floating"):
+        Compression.adtopk(ratio=0.1).select(a, info_of(a), 0)
+
+
+def test_registry_lists_every_compressor():
+    names = Compression.names()
+    for n in ["none", "fp16", "adtopk", "adtopk_i", "adtopk_t", "topk", "randomk", "dgc", "gaussiank", "redsync",
+              "sidco", "threshold"]:
+        assert n in names
+    assert Compression.get("ADTopk", ratio=0.1).ratio == 0.1
