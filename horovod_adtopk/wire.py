@@ -51,8 +51,9 @@ def pack(values: torch.Tensor, indices: Optional[torch.Tensor], value_dtype: tor
     if indices is None:
         return v
     n = v.numel()
-    vb = v.view(torch.uint8).reshape(n, -1)
-    ib = indices.reshape(-1).to(index_dtype).contiguous().view(torch.uint8).reshape(n, -1)
+    i = indices.reshape(-1).to(index_dtype).contiguous()
+    vb = v.view(torch.uint8).reshape(n, v.element_size())
+    ib = i.view(torch.uint8).reshape(n, i.element_size())
     return torch.cat([vb, ib], dim=1)
 
 

@@ -62,6 +62,15 @@ def adtopk_is_sparse(shape, ratio, axis, elem_bytes: int, value_bytes: int, min_
     return payload < rows * cols * elem_bytes
 
 
+def flat_is_sparse(shape, ratio, elem_bytes: int, value_bytes: int) -> bool:
+    """Dense-path rule for flat-index rules (Top-k, thresholds; hybrid=False, min_numel=0)."""
+    numel = int(np.prod(shape))
+    if len(shape) < 2:
+        return False
+    k = max(1, int(math.floor(ratio * numel)))
+    return k * (value_bytes + index_bytes(numel - 1)) < numel * elem_bytes
+
+
 def simulate(grads: List[List[Dict[str, np.ndarray]]], select, sparse: Dict[str, bool], error_feedback: bool = True,
              wire_dtype=None, average: bool = True) -> List[Dict[str, np.ndarray]]:
     """Expected aggregated gradient per step.

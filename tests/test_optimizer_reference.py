@@ -40,6 +40,11 @@ def make_cases():
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
                   "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False, "error_feedback": False}})
     cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 2, "compressor": "none"})
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3, "compressor": "topk",
+                  "kwargs": {"ratio": 0.05, "min_numel": 0, "hybrid": False}})
+    # variable-size payloads; rank 1's gradients are far below the threshold: it sends nothing at all
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3, "compressor": "threshold",
+                  "rank_scale": [1.0, 1e-6, 1.0], "kwargs": {"threshold": 2.0, "min_numel": 0, "hybrid": False}})
     return cases
 
 
@@ -72,13 +77,20 @@ def expected_for(case, grads, world):
     dtype = NP_DTYPES[case["dtype"]]
     if case.get("compressor") == "none":
         return ref.simulate(grads, None, {n: False for n in case["shapes"]})
-    ratio, axis = kw["ratio"], kw.get("axis", "auto")
+    ratio, axis = kw.get("ratio", 0.01), kw.get("axis", "auto")
     wire = np.float16 if kw.get("value_dtype") == "float16" else None
     elem = np.dtype(dtype).itemsize
     vbytes = 2 if wire is not None else elem
-    sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
-              for n, s in case["shapes"].items()}
-    return ref.simulate(grads, lambda a, n: ref.adtopk_mask(a, ratio, axis), sparse,
+    kind = case.get("compressor", "adtopk")
+    if kind == "adtopk":
+        sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
+                  for n, s in case["shapes"].items()}
+        select = lambda a, n: ref.adtopk_mask(a, ratio, axis)  # noqa: E731
+    else:
+        sparse = {n: ref.flat_is_sparse(tuple(s), ratio, elem, vbytes) for n, s in case["shapes"].items()}
+        select = ((lambda a, n: ref.topk_mask(a, ratio)) if kind == "topk"
+                  else (lambda a, n: ref.threshold_mask(a, kw["threshold"])))
+    return ref.simulate(grads, select, sparse,
                         error_feedback=kw.get("error_feedback", True), wire_dtype=wire,
                         average=case.get("op") != "sum"), sparse
 
@@ -106,6 +118,8 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
     for ci, case in enumerate(cases):
         if case.get("compressor") == "none":
             assert all(p == "dense" for p in summaries[0][ci]["paths"].values())
+            continue
+        if case.get("compressor", "adtopk") != "adtopk":
             continue
         _, sparse = expected_for(case, load_case(outdir, ci, world, case)[0], world)
         kw = case["kwargs"]

@@ -81,6 +81,8 @@ def test_pack_roundtrip(vdtype, idtype):
     assert torch.equal(i, torch.cat([index] * 2))
     ev, ei = wire.unpack(payload[:0], vdtype, idtype)
     assert ev.numel() == 0 and ei.numel() == 0
+    empty = wire.pack(values[:0], index[:0], vdtype, idtype)  # a rank that selected nothing
+    assert empty.shape == (0, wire.entry_bytes(vdtype, idtype))
 
 
 def test_nonfinite_entries_are_always_selected():

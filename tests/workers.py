@@ -67,7 +67,8 @@ def reference_cases(args, outdir):
         arrays = {}
         for t in range(case.get("steps", 3)):
             for n, p in params.items():
-                g = local_gradient(ci, rank, t, n, p.shape, dtype, case.get("scale", {}).get(n, 1.0))
+                scale = case.get("scale", {}).get(n, 1.0) * case.get("rank_scale", [1.0] * 8)[rank]
+                g = local_gradient(ci, rank, t, n, p.shape, dtype, scale)
                 p.grad = g.clone()
                 arrays[f"g/{t}/{n}"] = g.numpy()
             opt.synchronize()
