@@ -13,6 +13,14 @@ from typing import Any, List, Sequence
 
 import torch
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
+
+
+class PeerLostError(HorovodInternalError):
+    """A collective failed, almost always because a peer rank died or its network went away.
+
+    A subclass of Horovod's ``HorovodInternalError``, so Horovod elastic still treats it as recoverable.
+    """
 
 
 class Communicator:
@@ -44,7 +52,11 @@ class Communicator:
 
     @staticmethod
     def wait(handle) -> Any:
-        return hvd.synchronize(handle)
+        try:
+            return hvd.synchronize(handle)
+        except HorovodInternalError as exc:
+            raise PeerLostError(f"horovod_adtopk: a collective failed; a peer rank was probably lost (killed, "
+                                f"crashed or unreachable). Horovod said: {exc}") from exc
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.wait(self.allgather_async(tensor, name))

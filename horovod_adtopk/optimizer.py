@@ -63,7 +63,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # explicit ``super(self.__class__, self)``.
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=hvd.Average,
-                 gradient_predivide_factor=1.0, groups=None, process_set=hvd.global_process_set):
+                 gradient_predivide_factor=1.0, groups=None, process_set=hvd.global_process_set,
+                 partial_sparsification=False, profile_rounds=5):
         super(self.__class__, self).__init__(params)
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -104,6 +105,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round = 0
         self._stats = Stats()
         self._nonfinite_flags: List[Tuple[str, torch.Tensor]] = []
+        # Partial sparsification (ADTopk-P): per sparse tensor, seconds spent compressing / decompressing
+        # during the first ``profile_rounds`` rounds; then a decision shared by every rank.
+        self._partial = bool(partial_sparsification) and self._sparse
+        self._profile_rounds = int(profile_rounds)
+        self._profile: Dict[str, List[float]] = {}
+        self._partial_report: Optional[dict] = None
 
         self._infos: Dict[str, TensorInfo] = {}
         self._sparse_path: Dict[str, bool] = {}
@@ -289,7 +296,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = self._comm.allgather_async(payload, tag)
         sent = payload_bytes(payload) + (8 if count_handle is not None else 0)
         self._stats.record(name, info.numel, s.values.numel(), sent)
-        self._stats.compress_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self._stats.compress_seconds += elapsed
+        if self._profiling():
+            self._profile.setdefault(name, [0.0, 0.0])[0] += elapsed
         return _Pending("sparse", handle, (p,), count_handle=count_handle, codec=s.codec, wire_dtype=wire_dtype,
                         info=info)
 
@@ -331,7 +341,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if self.op == hvd.Average:
                 dense.mul_(self.gradient_predivide_factor / self._comm.size())
         grad.set_(dense.view(grad.shape))
-        self._stats.decompress_seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self._stats.decompress_seconds += elapsed
+        if self._profiling():
+            self._profile.setdefault(pend.info.name, [0.0, 0.0])[1] += elapsed
 
     # --- Horovod's optimizer surface ----------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -364,7 +377,71 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._scrub_nonfinite()
         self._round += 1
         self._stats.steps += 1
+        if self._profiling() and self._round >= self._profile_rounds:
+            self._decide_partial()
         self._synchronized = True
+
+    # --- partial sparsification ---------------------------------------------------------------------------
+    def _profiling(self) -> bool:
+        return self._partial and self._partial_report is None
+
+    def _probe(self, kind: str, nbytes: int, repeats: int = 3) -> float:
+        """Seconds for one synchronous collective of ``nbytes`` (per rank for allgather), best of ``repeats``."""
+        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+        best = float("inf")
+        for i in range(repeats):
+            start = time.perf_counter()
+            if kind == "allreduce":
+                self._comm.wait(self._comm.allreduce_async_(buf.clone(), f"hat.probe.ar.{nbytes}.{i}", hvd.Sum))
+            else:
+                self._comm.allgather(buf, f"hat.probe.ag.{nbytes}.{i}")
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def _decide_partial(self) -> None:
+        """ADTopk-P: send densely every tensor whose sparse path (compress + allgather + decompress) is
+        predicted to cost at least its dense allreduce.
+
+        Costs come from this run: compress/decompress seconds measured per tensor during the profiling
+        rounds, and a linear fit ``t(bytes) = alpha + bytes * beta`` of a small and a large synchronous
+        allreduce and allgather on the process set. Every number is averaged over the ranks (allreduce)
+        before deciding, so the decision is identical everywhere.
+        """
+        names = sorted(n for n, sparse in self._sparse_path.items() if sparse)
+        small, large = 4096, 4 << 20
+        probes = [self._probe("allreduce", small), self._probe("allreduce", large),
+                  self._probe("allgather", small), self._probe("allgather", large)]
+        rounds = max(self._round, 1)
+        local = [v / rounds for n in names for v in self._profile.get(n, [0.0, 0.0])] + probes
+        shared = self._comm.wait(self._comm.allreduce_async_(torch.tensor(local, dtype=torch.float64),
+                                                             "hat.partial.decide", hvd.Average)).tolist()
+        ar_small, ar_large, ag_small, ag_large = shared[-4:]
+        ar_beta = max(ar_large - ar_small, 0.0) / (large - small)
+        ag_beta = max(ag_large - ag_small, 0.0) / (large - small)
+        report = {}
+        compression: SparseCompressor = self._compression
+        for i, name in enumerate(names):
+            info = self._infos[name]
+            comp, decomp = shared[2 * i], shared[2 * i + 1]
+            elem = torch.empty((), dtype=info.dtype).element_size()
+            vbytes = torch.empty((), dtype=compression.wire_value_dtype(info.dtype)).element_size()
+            idt = compression.nominal_index_dtype(info)
+            ibytes = 0 if idt is None else torch.empty((), dtype=idt).element_size()
+            payload = compression.nominal_count(info) * (vbytes + ibytes)
+            dense_s = ar_small + info.numel * elem * ar_beta
+            sparse_s = comp + decomp + ag_small + payload * ag_beta
+            keep_sparse = sparse_s < dense_s
+            report[name] = {"sparse": keep_sparse, "compress_s": comp, "decompress_s": decomp,
+                            "predicted_sparse_s": sparse_s, "predicted_dense_s": dense_s}
+            if not keep_sparse:
+                self._sparse_path[name] = False
+                self._stats.set_path(name, info.numel, False,
+                                     f"partial sparsification: sparse {sparse_s * 1e3:.3f} ms >= dense "
+                                     f"{dense_s * 1e3:.3f} ms")
+        self._partial_report = {"rounds_profiled": rounds,
+                                "link": {"allreduce_alpha_s": ar_small, "allreduce_beta_s_per_byte": ar_beta,
+                                         "allgather_alpha_s": ag_small, "allgather_beta_s_per_byte": ag_beta},
+                                "tensors": report}
 
     def _handle_order(self, key) -> str:
         return self._parameter_names[key[0] if isinstance(key, tuple) else key]
@@ -422,7 +499,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _compression_state(self, ranks: dict) -> dict:
         return {"format": STATE_FORMAT, "round": self._round,
                 "world_size": self._comm.size() if self._comm.included() else 1,
-                "compression": _describe_compression(self._compression), "ranks": ranks}
+                "compression": _describe_compression(self._compression), "ranks": ranks,
+                "partial_sparsification": self._partial_report}
 
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's compression state (key ``"horovod_adtopk"``)."""
@@ -462,6 +540,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint was written with compression {saved}, but this optimizer uses {current}; "
                              "resume with the same compressor settings")
         self._round = int(ours["round"])
+        report = ours.get("partial_sparsification")
+        if self._partial and report is not None:
+            self._partial_report = report
+            for name, entry in report["tensors"].items():
+                if not entry["sparse"] and name in self._sparse_path:
+                    self._sparse_path[name] = False
+                    self._stats.set_path(name, self._infos[name].numel, False, "partial sparsification (restored)")
         rank = self._comm.rank() if self._comm.included() else 0
         size = self._comm.size() if self._comm.included() else 1
         entry = {int(k): v for k, v in ours["ranks"].items()}.get(rank)
@@ -493,6 +578,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out["compressor"] = _describe_compression(self._compression)
         out["world_size"] = self._comm.size() if self._comm.included() else 1
         out["round"] = self._round
+        if self._partial:
+            out["partial_sparsification"] = self._partial_report
         return out
 
 
@@ -518,12 +605,18 @@ def _explain_mismatch(descs: List[dict]) -> str:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression=NoneCompressor, backward_passes_per_step: int = 1, op=hvd.Average,
                          gradient_predivide_factor: float = 1.0, groups=None,
-                         process_set=hvd.global_process_set):
+                         process_set=hvd.global_process_set, partial_sparsification: bool = False,
+                         profile_rounds: int = 5):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     Same arguments and behaviour as ``hvd.DistributedOptimizer`` (hooks, ``backward_passes_per_step``,
     ``synchronize()`` / ``skip_synchronize()``, ``process_set``, ``groups``), plus sparse compressors from
     :class:`horovod_adtopk.Compression`. ``op`` must be ``hvd.Average`` or ``hvd.Sum``.
+
+    ``partial_sparsification=True`` (ADTopk-P): for the first ``profile_rounds`` rounds every eligible tensor
+    is sent sparse while its compression cost is measured; then tensors whose sparse path costs more than a
+    dense allreduce switch to dense for the rest of training (their residual is sent with the next dense
+    gradient). The decision is the same on every rank and reported in ``opt.stats()["partial_sparsification"]``.
 
     Example::
 
@@ -547,6 +640,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             isinstance(compression, Compressor)):
         raise TypeError(f"compression must be a horovod_adtopk.Compression entry or a Horovod compressor, got "
                         f"{compression!r}")
+    if isinstance(profile_rounds, bool) or not isinstance(profile_rounds, int) or profile_rounds < 1:
+        raise ValueError(f"profile_rounds must be an int >= 1, got {profile_rounds!r}")
     if isinstance(compression, type) and issubclass(compression, SparseCompressor):
         raise TypeError(f"pass a configured compressor, e.g. compression=hat.Compression.{compression.name}(ratio=0.01)")
     namespace = dict(_DistributedOptimizer.__dict__)
@@ -555,4 +650,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     namespace["__module__"] = hvd.DistributedOptimizer.__module__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, groups, process_set)
+               gradient_predivide_factor, groups, process_set, partial_sparsification, profile_rounds)

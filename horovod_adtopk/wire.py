@@ -63,8 +63,13 @@ def unpack(payload: torch.Tensor, value_dtype: torch.dtype, index_dtype: torch.d
     if payload.numel() == 0:
         return (torch.empty(0, dtype=value_dtype, device=payload.device),
                 torch.empty(0, dtype=torch.int64, device=payload.device))
-    values = payload[:, :vbytes].contiguous().view(value_dtype).reshape(-1)
-    indices = payload[:, vbytes:].contiguous().view(index_dtype).reshape(-1).to(torch.int64)
+    n = payload.shape[0]
+    # Copy each column block into a fresh, aligned buffer before reinterpreting its bytes (a strided or
+    # single-row slice may not be aligned for the wider dtype).
+    vcol = torch.empty((n, vbytes), dtype=torch.uint8, device=payload.device).copy_(payload[:, :vbytes])
+    icol = torch.empty((n, payload.shape[1] - vbytes), dtype=torch.uint8, device=payload.device).copy_(payload[:, vbytes:])
+    values = vcol.view(value_dtype).reshape(-1)
+    indices = icol.view(index_dtype).reshape(-1).to(torch.int64)
     return values, indices
 
 

@@ -81,6 +81,9 @@ def test_pack_roundtrip(vdtype, idtype):
     assert torch.equal(i, torch.cat([index] * 2))
     ev, ei = wire.unpack(payload[:0], vdtype, idtype)
     assert ev.numel() == 0 and ei.numel() == 0
+    for rows in (1, 3):  # single rows and odd offsets: every dtype pairing must unpack
+        v1, i1 = wire.unpack(payload[:rows], vdtype, idtype)
+        assert torch.equal(v1, values[:rows].to(vdtype)) and torch.equal(i1, index[:rows])
     empty = wire.pack(values[:0], index[:0], vdtype, idtype)  # a rank that selected nothing
     assert empty.shape == (0, wire.entry_bytes(vdtype, idtype))
 

@@ -251,3 +251,87 @@ def hooks_reference(args, outdir):
         opt.zero_grad()
     np.savez(Path(outdir, f"hooks_rank{rank}.npz"), **arrays)
     return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named}}
+
+
+def _batch(rank: int, step: int, n: int = 16):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _train_steps(model, opt, rank, first, last):
+    for step in range(first, last):
+        x, y = _batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fresh(spec):
+    torch.manual_seed(0)
+    model = SmallCNN()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=_case_compression(spec),
+                                   partial_sparsification=spec.get("partial", False), profile_rounds=3)
+    return model, opt
+
+
+def resume_run(args, outdir):
+    """phase 'full': 2N steps; 'first': N steps then a checkpoint; 'second' (new processes): load it, N more.
+    For each spec, saves the final parameters, optimizer state and every rank's residuals (rank 0 writes)."""
+    rank, n = hvd.rank(), args["steps"]
+    out = {}
+    for si, spec in enumerate(args["specs"]):
+        model, opt = _fresh(spec)
+        ckpt = Path(outdir if args["phase"] != "second" else args["first_dir"], f"ckpt{si}.pt")
+        if args["phase"] == "second":
+            state = torch.load(ckpt, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            _train_steps(model, opt, rank, n, 2 * n)
+        else:
+            _train_steps(model, opt, rank, 0, n if args["phase"] == "first" else 2 * n)
+        full_state = opt.gather_state_dict()  # collective: every rank
+        if rank == 0:
+            target = ckpt if args["phase"] == "first" else Path(outdir, f"final{si}.pt")
+            tmp = target.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optimizer": full_state}, tmp)
+            tmp.replace(target)
+        st = opt.stats()
+        out[str(si)] = {"round": st["round"], "paths": {k: v["path"] for k, v in st["tensors"].items()}}
+    return out
+
+
+def nonfinite_case(args, outdir):
+    """Rank 1 produces a NaN (and an Inf) gradient at step 2: every rank must see a non-finite aggregated
+    gradient for that tensor that step (as with dense allreduce), and finite ones afterwards."""
+    rank = hvd.rank()
+    params = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(16, 64))})
+    opt = hat.DistributedOptimizer(torch.optim.SGD(params.parameters(), lr=0.0), named_parameters=params.named_parameters(),
+                                   compression=hat.Compression.adtopk(ratio=0.05, min_numel=0, hybrid=False))
+    finite = []
+    for step in range(5):
+        g = local_gradient(0, rank, step, "w", (16, 64), torch.float32)
+        if step == 2 and rank == 1:
+            g[3, 5] = float("nan")
+            g[7, 9] = float("inf")
+            g[7, 10:20] = float("nan")  # more non-finite entries than k in one fiber
+        params["w"].grad = g
+        opt.synchronize()
+        finite.append(bool(torch.isfinite(params["w"].grad).all()))
+    residual = opt.state_dict()["horovod_adtopk"]["ranks"][rank]["memory"]["residuals"]["w"]
+    return {"finite": finite, "residual_finite": bool(torch.isfinite(residual).all()),
+            "nonfinite_steps": opt.stats()["nonfinite_steps"]}
+
+
+def die_midway(args, outdir):
+    """Rank 1 kills itself with SIGKILL at step 5 of training; the others must exit, not hang."""
+    import os
+    import signal
+    rank = hvd.rank()
+    model, opt = _fresh({"compressor": "adtopk", "kwargs": {"ratio": 0.01}})
+    for step in range(200):
+        if rank == 1 and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _train_steps(model, opt, rank, step, step + 1)
+    return {"finished": True}
