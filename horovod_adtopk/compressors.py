@@ -51,6 +51,8 @@ class FiberCodec:
 
     def to_flat(self, wire_index: torch.Tensor) -> torch.Tensor:
         """Flat positions of the indices of one or more rank blocks (length a multiple of ``count``)."""
+        if self.layout.count == 0:  # an empty tensor: nothing to place
+            return wire_index.reshape(-1).to(torch.int64)
         blocks = wire_index.reshape(-1, self.layout.count).to(torch.int64)
         return (self.bases(wire_index.device) + blocks * self.layout.stride).reshape(-1)
 
