@@ -565,12 +565,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.load_state_dict(entry["compressor"])
 
     def reset_compression_state(self) -> None:
-        """Forget every rank-private memory (residuals, velocities, adaptive thresholds). Called on an
-        elastic membership change: a residual belongs to a rank's old data partition."""
+        """Forget every rank-private memory (residuals, velocities, adaptive thresholds) and re-plan for the
+        current world size. Register it as a Horovod elastic reset callback
+        (``state.register_reset_callbacks([opt.reset_compression_state])``): after a membership change a
+        residual belongs to a data partition that no longer exists, the dense/sparse rule depends on the
+        world size, and the configuration check must run again with the new members."""
         if self._memory is not None:
             self._memory.reset()
         if self._sparse:
             self._compression.reset_state()
+        self._handles = {}
+        self._nonfinite_flags.clear()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._config_checked = False
+        if self._sparse and self._comm.included():
+            world = self._comm.size()
+            for name, info in self._infos.items():
+                sparse, reason = self._compression.choose_path(info, world)
+                if self._partial_report is not None and not self._partial_report["tensors"].get(name, {}).get("sparse", True):
+                    sparse, reason = False, "partial sparsification"
+                self._sparse_path[name] = sparse
+                self._stats.set_path(name, info.numel, sparse, reason)
 
     def stats(self) -> dict:
         """Cumulative counters of this rank (see :mod:`horovod_adtopk.stats`)."""
