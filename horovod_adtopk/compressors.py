@@ -257,6 +257,16 @@ class ADTopkCompressor(SparseCompressor):
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
         self._codecs: Dict[str, FiberCodec] = {}
+        # One |a| buffer per (device, dtype), as large as the largest tensor selected so far, reused by
+        # every parameter (hooks run one at a time).
+        self._scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def scratch_for(self, a: torch.Tensor) -> torch.Tensor:
+        key = (a.device, a.dtype)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < a.numel():
+            buf = self._scratch[key] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)
+        return buf
 
     def extra_config(self) -> dict:
         return {"axis": self.axis}
@@ -278,7 +288,7 @@ class ADTopkCompressor(SparseCompressor):
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         codec = self.codec(info)
-        values, local = sel.all_dimension_topk(a, codec.layout)
+        values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
         flat = codec.to_flat(local)
         return Selection(values.reshape(-1), flat, local.reshape(-1), codec)
 
@@ -520,7 +530,7 @@ class ADTopkTCompressor(ADTopkCompressor):
             st["since"] += 1
             values, flat = sel.fiber_threshold_select(a, codec.layout, st["theta"].to(a.device))
             return _flat_selection(values, flat, info.numel, None)
-        values, local = sel.all_dimension_topk(a, codec.layout)
+        values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
         theta = values.abs().amin(dim=1).detach().to(torch.float64)
         theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
         if st is None:

@@ -129,18 +129,62 @@ def effective_density(layout: FiberLayout) -> float:
     return layout.count / layout.numel if layout.numel else 0.0
 
 
-def all_dimension_topk(a: torch.Tensor, layout: FiberLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+#: Pruned selection splits every fiber into this many interleaved groups (see :func:`pruned_topk`).
+PRUNE_GROUPS = 8
+
+
+def pruned_topk(mag: torch.Tensor, k: int, groups: int = PRUNE_GROUPS) -> torch.Tensor:
+    """Exact per-row top-k positions of a non-negative matrix ``mag`` (NaN counts as largest), faster
+    than ``torch.topk`` on long rows.
+
+    Each row of length ``n`` is cut into ``g = n // groups`` interleaved groups (group ``j`` holds columns
+    ``j, j + g, j + 2g, ...``; a tail of ``n % groups`` columns is always a candidate). Every one of the
+    row's top-k entries lies in a group whose maximum is at least the k-th largest value, and at most
+    ``k`` groups can have such a maximum, so the ``k`` groups with the largest maxima contain the whole
+    top-k. One vectorised max-reduction, a top-k over ``g`` group maxima and a top-k over ``k * groups``
+    candidates replace the top-k over ``n`` entries. Ties may be broken differently from ``torch.topk``.
+    """
+    rows, n = mag.shape
+    g = n // groups
+    body = mag[:, : g * groups].view(rows, groups, g)
+    group_max = body.amax(dim=1)
+    _, gid = torch.topk(group_max, k, dim=1, sorted=False)
+    offsets = g * torch.arange(groups, device=mag.device).view(1, groups, 1)
+    cols = (gid.unsqueeze(1) + offsets).reshape(rows, groups * k)
+    if g * groups < n:
+        tail = torch.arange(g * groups, n, device=mag.device).expand(rows, -1)
+        cols = torch.cat([cols, tail], dim=1)
+    _, pick = torch.topk(torch.gather(mag, 1, cols), k, dim=1, sorted=False)
+    return torch.gather(cols, 1, pick)
+
+
+def use_pruning(fiber_len: int, k: int) -> bool:
+    """Pruning pays off when the candidates (``k * PRUNE_GROUPS``) are a small part of a long fiber."""
+    return fiber_len >= 512 and fiber_len >= 32 * k
+
+
+def all_dimension_topk(a: torch.Tensor, layout: FiberLayout,
+                       scratch: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-fiber top-k of ``|a|``.
 
     Returns ``(values, local)``, both shaped ``[num_fibers, k]`` in fiber-major order: ``values`` are the
     signed entries of ``a`` and ``local`` their positions inside the fiber (0 .. fiber_len-1, int64).
+    ``scratch``, if given, is a reusable buffer of at least ``a.numel()`` elements of ``a``'s dtype and
+    device for ``|a|`` (saves allocating, and page-faulting, a gradient-sized temporary every step).
     """
     m = a.reshape(layout.rows, layout.cols)
     if layout.axis == 0:
         # Columns are fibers: a contiguous transpose makes each fiber a contiguous row, which is
         # what the CPU and CUDA topk kernels are fastest on.
         m = m.t().contiguous()
-    _, local = torch.topk(m.abs(), layout.k, dim=1, largest=True, sorted=False)
+    if scratch is not None and scratch.numel() >= m.numel() and scratch.dtype == m.dtype and scratch.device == m.device:
+        mag = torch.abs(m, out=scratch[: m.numel()].view(m.shape))
+    else:
+        mag = m.abs()
+    if use_pruning(layout.fiber_len, layout.k):
+        local = pruned_topk(mag, layout.k)
+    else:
+        _, local = torch.topk(mag, layout.k, dim=1, largest=True, sorted=False)
     values = torch.gather(m, 1, local)
     return values, local
 

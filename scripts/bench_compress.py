@@ -210,6 +210,7 @@ class Rule:
             lay = self.sel.fiber_layout(shape, self.ratio, self.axis)
             prep["layout"] = lay
             prep["bases"] = self.sel.fiber_bases(lay, a.device)
+            prep["scratch"] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)  # as the package reuses one
         if self.name == "adtopk_t":
             values, _ = self.sel.all_dimension_topk(a, prep["layout"])
             theta = torch.nan_to_num(values.abs().amin(dim=1).detach().to(torch.float64), nan=0.0, posinf=0.0)
@@ -222,7 +223,7 @@ class Rule:
     # -- the timed part ------------------------------------------------------------------------------------------
     def _adtopk(self, a: torch.Tensor, prep: Dict[str, Any]) -> Picked:
         lay, bases = prep["layout"], prep["bases"]
-        values, local = self.sel.all_dimension_topk(a, lay)
+        values, local = self.sel.all_dimension_topk(a, lay, prep["scratch"])
         flat = self.sel.local_to_flat(local, lay, bases)
         count, stride = lay.count, lay.stride
 
@@ -252,7 +253,7 @@ class Rule:
             if step % self.tau != 0:  # between exact steps: one comparison pass per fiber threshold
                 values, flat = sel.fiber_threshold_select(a, lay, prep["theta"])
                 return self._flat(values, flat, numel, None)
-            values, local = sel.all_dimension_topk(a, lay)
+            values, local = sel.all_dimension_topk(a, lay, prep["scratch"])
             theta = torch.nan_to_num(values.abs().amin(dim=1).detach().to(torch.float64), nan=0.0, posinf=0.0)
             old = prep["theta"]
             float(((theta - old).abs() / old.clamp_min(1e-30)).median())  # the tau update's statistic
