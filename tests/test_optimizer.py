@@ -56,6 +56,8 @@ def test_process_set_of_two_out_of_three():
 @pytest.mark.parametrize("scenario,controller,needle", [
     ("config_mismatch", "gloo", "ratio"),
     ("param_mismatch", "mpi", "shape"),
+    ("compressor_mismatch", "gloo", "compression"),
+    ("param_set_mismatch", "gloo", "parameters only on rank 1"),
     ("stock_optimizer", "gloo", "horovod_adtopk.DistributedOptimizer"),
     ("sparse_gradient", "gloo", "sparse gradient"),
 ])

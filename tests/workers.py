@@ -149,6 +149,16 @@ def expect_errors(args, outdir):
         opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        compression=hat.Compression.adtopk(ratio=ratio, min_numel=0))
+    elif scenario == "compressor_mismatch":
+        model = torch.nn.Linear(64, 64)
+        comp = hat.Compression.adtopk(ratio=0.01) if rank == 0 else hat.Compression.topk(ratio=0.01)
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=comp)
+    elif scenario == "param_set_mismatch":
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(1 + rank)])
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=0.01))
     elif scenario == "param_mismatch":
         model = torch.nn.Linear(64, 64 if rank == 0 else 32)
         opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
