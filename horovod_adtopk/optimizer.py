@@ -318,7 +318,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         gathered = self._comm.wait(pend.handle)
         grad = p.grad
-        dense = torch.zeros(pend.info.numel, dtype=grad.dtype, device=grad.device)
+        # The local gradient was consumed when the payload was built (copied into the memory or the
+        # payload), so its storage takes the aggregate: no gradient-sized allocation per step.
+        dense = grad.view(-1) if grad.is_contiguous() else torch.empty(pend.info.numel, dtype=grad.dtype,
+                                                                         device=grad.device)
+        dense.zero_()
         codec = pend.codec
         if isinstance(codec, SharedCodec):
             dense[codec.flat] = gathered.to(grad.dtype)  # already summed (and averaged) by allreduce
@@ -340,7 +344,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     offset += c
             if self.op == hvd.Average:
                 dense.mul_(self.gradient_predivide_factor / self._comm.size())
-        grad.set_(dense.view(grad.shape))
+        if dense.data_ptr() != grad.data_ptr():
+            grad.set_(dense.view(grad.shape))
         elapsed = time.perf_counter() - start
         self._stats.decompress_seconds += elapsed
         if self._profiling():
