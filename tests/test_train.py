@@ -1,0 +1,271 @@
+"""The training job scripts/train.py (and scripts/plot.py), launched for real on 2 ranks.
+
+Every launch goes through tests.harness.run_command, which kills the whole process tree on timeout.
+Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 2-3 minutes
+on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import HOROVODRUN, REPO, run_command
+
+TRAIN = str(REPO / "scripts" / "train.py")
+PLOT = str(REPO / "scripts" / "plot.py")
+TIMEOUT = 150
+ENV = {"HOROVOD_CYCLE_TIME": "1"}
+METRIC_KEYS = {"epoch", "step", "train_loss", "test_loss", "wall_time", "bytes_sent", "bytes_dense", "density",
+               "compressor", "ratio", "world_size"}
+QUICK = ["--no-progress", "--log-every", "0"]
+
+
+def horovodrun(args, np_=2, timeout=TIMEOUT):
+    cmd = [HOROVODRUN, "-np", str(np_), "--gloo", sys.executable, TRAIN, *QUICK, *map(str, args)]
+    return run_command(cmd, timeout=timeout, env=ENV)
+
+
+def check_ok(rc, out, what="run"):
+    assert rc is not None, f"{what} timed out after {TIMEOUT}s and was killed\n{out[-6000:]}"
+    assert rc == 0, f"{what} exited {rc}\n{out[-6000:]}"
+
+
+def final_of(out: str) -> dict:
+    lines = [line for line in out.splitlines() if "FINAL {" in line]
+    assert len(lines) == 1, f"expected exactly one FINAL line (rank 0 only), got {len(lines)}\n{out[-4000:]}"
+    return json.loads(lines[0].split("FINAL ", 1)[1])
+
+
+def read_jsonl(path: Path):
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert rows, f"{path} is empty"
+    return rows
+
+
+def load_ckpt(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def latest(ckpt_dir: Path) -> Path:
+    pointer = ckpt_dir / "latest"
+    assert pointer.is_file(), f"no latest pointer in {ckpt_dir}: {sorted(os.listdir(ckpt_dir))}"
+    path = ckpt_dir / pointer.read_text().strip()
+    assert path.is_file()
+    return path
+
+
+def rank_states(ckpt: dict) -> dict:
+    return ckpt["optimizer"]["horovod_adtopk"]["ranks"]
+
+
+def assert_same_tensors(a: dict, b: dict, what: str) -> None:
+    assert set(a) == set(b), f"{what}: different keys {sorted(a)} vs {sorted(b)}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs (max |diff| {(a[k] - b[k]).abs().max().item()})"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fashion-MNIST: metrics, checkpoint, plot
+# --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fashion_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fashion")
+    rc, out, _ = horovodrun(["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01",
+                             "--max-steps", 8, "--test-batches", 2, "--checkpoint-dir", d / "ckpt",
+                             "--metrics-out", d / "metrics.jsonl"])
+    check_ok(rc, out, "fashion-mnist run")
+    return d, out
+
+
+def test_fashion_mnist_metrics_and_checkpoint(fashion_run):
+    d, out = fashion_run
+    final = final_of(out)
+    assert final["step"] == 8 and final["world_size"] == 2 and final["compressor"] == "adtopk"
+    assert 0.0 <= final["test_accuracy"] <= 1.0
+    assert "bytes sent" in out and "vs dense" in out
+
+    rows = read_jsonl(d / "metrics.jsonl")
+    assert len(rows) == 1  # stopped inside the first epoch: one line at the end
+    row = rows[0]
+    assert METRIC_KEYS | {"test_accuracy"} <= set(row), sorted(METRIC_KEYS - set(row))
+    assert row["step"] == 8 and row["ratio"] == 0.01 and row["world_size"] == 2
+    assert 0 < row["bytes_sent"] < row["bytes_dense"] / 10
+    assert 0 < row["density"] < 0.1
+
+    ckpt = load_ckpt(latest(d / "ckpt"))
+    assert ckpt["step"] == 8 and ckpt["epoch"] == 0 and ckpt["batch_in_epoch"] == 8
+    states = rank_states(ckpt)
+    assert sorted(states) == [0, 1]
+    res0, res1 = states[0]["memory"]["residuals"], states[1]["memory"]["residuals"]
+    assert res0 and set(res0) == set(res1)
+    assert {"fc1.weight", "conv2.weight"} <= set(res0)
+    # each rank's own memory (different data shards), not one rank's copied twice
+    assert any(not torch.equal(res0[k], res1[k]) for k in res0)
+    assert len(ckpt["rng"]["torch"]) == 2
+
+
+def test_plot_writes_pngs(fashion_run, tmp_path):
+    d, _ = fashion_run
+    other = tmp_path / "dense.jsonl"  # a second run to compare against: same line, other label
+    row = read_jsonl(d / "metrics.jsonl")[0]
+    row.update(compressor="none", ratio=None, bytes_sent=row["bytes_dense"], test_accuracy=0.5)
+    other.write_text(json.dumps(row) + "\n")
+    rc, out, _ = run_command([sys.executable, PLOT, str(d / "metrics.jsonl"), str(other), "--out",
+                              str(tmp_path / "plots")], timeout=TIMEOUT)
+    check_ok(rc, out, "plot.py")
+    written = [Path(line.strip()) for line in out.splitlines() if line.strip().endswith(".png")]
+    assert len(written) == 3
+    for path in written:
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Shakespeare
+# --------------------------------------------------------------------------------------------------------
+
+def test_shakespeare_metrics_and_checkpoint(tmp_path):
+    rc, out, _ = horovodrun(["--dataset", "shakespeare", "--max-steps", 4, "--batch-size", 8, "--lstm-hidden", 64,
+                             "--test-batches", 1, "--test-batch-size", 16, "--checkpoint-dir", tmp_path / "ckpt",
+                             "--metrics-out", tmp_path / "metrics.jsonl"])
+    check_ok(rc, out, "shakespeare run")
+    final = final_of(out)
+    assert final["step"] == 4 and final["test_perplexity"] > 1.0
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert METRIC_KEYS | {"test_perplexity"} <= set(rows[-1])
+    assert rows[-1]["dataset"] == "shakespeare"
+    ckpt = load_ckpt(latest(tmp_path / "ckpt"))
+    states = rank_states(ckpt)
+    assert sorted(states) == [0, 1]
+    assert any(k.startswith("lstm.") for k in states[0]["memory"]["residuals"])
+    assert set(states[0]["memory"]["residuals"]) == set(states[1]["memory"]["residuals"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Resume exactness
+# --------------------------------------------------------------------------------------------------------
+
+def _compare_final_checkpoints(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] and a["epoch"] == b["epoch"] and a["batch_in_epoch"] == b["batch_in_epoch"]
+    assert_same_tensors(a["model"], b["model"], "model")
+    sa, sb = rank_states(a), rank_states(b)
+    assert sorted(sa) == sorted(sb) == [0, 1]
+    for r in sa:
+        assert sa[r]["memory"]["residuals"], "no residuals saved"
+        for store in ("residuals", "velocities"):
+            assert_same_tensors(sa[r]["memory"][store], sb[r]["memory"][store], f"rank {r} {store}")
+    assert a["optimizer"]["horovod_adtopk"]["round"] == b["optimizer"]["horovod_adtopk"]["round"] == a["step"]
+    oa, ob = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert set(oa) == set(ob)
+    for i in oa:
+        assert_same_tensors(oa[i], ob[i], f"SGD state {i}")
+    assert a["counters"] == b["counters"]
+
+
+def _run_resume_case(tmp_path, common, total, first):
+    a_dir, b_dir = tmp_path / "A", tmp_path / "B"
+    rc, out_a, _ = horovodrun([*common, "--max-steps", total, "--checkpoint-dir", a_dir / "ckpt",
+                               "--metrics-out", a_dir / "m.jsonl"])
+    check_ok(rc, out_a, "run A")
+    rc, out_b1, _ = horovodrun([*common, "--max-steps", first, "--checkpoint-dir", b_dir / "ckpt",
+                                "--metrics-out", b_dir / "m.jsonl"])
+    check_ok(rc, out_b1, "run B, first part")
+    assert latest(b_dir / "ckpt").name == f"ckpt-step{first}.pt"
+    rc, out_b2, _ = horovodrun([*common, "--max-steps", total, "--checkpoint-dir", b_dir / "ckpt", "--resume",
+                                "--metrics-out", b_dir / "m.jsonl"])
+    check_ok(rc, out_b2, "run B, resumed")
+    assert f"resumed from" in out_b2 and f"at step {first}" in out_b2
+
+    a = load_ckpt(latest(a_dir / "ckpt"))
+    b = load_ckpt(latest(b_dir / "ckpt"))
+    assert a["step"] == b["step"] == total
+    _compare_final_checkpoints(a, b)
+
+    fa, fb = final_of(out_a), final_of(out_b2)
+    for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
+        assert fa[key] == fb[key], (key, fa[key], fb[key])
+    return a_dir, b_dir
+
+
+def test_resume_is_bitwise_exact_fashion_mnist(tmp_path):
+    common = ["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--test-batches", 1,
+              "--checkpoint-every", 4]
+    _run_resume_case(tmp_path, common, total=12, first=6)
+    assert (tmp_path / "A" / "ckpt" / "ckpt-step4.pt").is_file()  # periodic checkpoints too
+    assert (tmp_path / "A" / "ckpt" / "ckpt-step8.pt").is_file()
+
+
+def test_resume_is_bitwise_exact_across_epochs(tmp_path):
+    # A tiny text corpus: 5 steps per epoch, so the runs cross two epoch boundaries (sampler epochs, skipped
+    # batches after the resume in the middle of epoch 2).
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    line = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
+    (text_dir / "play.txt").write_text(line * 60)  # 4.7k characters: 277 training windows
+    common = ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
+              "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 3, "--compressor", "adtopk", "--ratio", "0.05",
+              "--test-batches", 1]
+    a_dir, b_dir = _run_resume_case(tmp_path, common, total=12, first=7)
+    a = load_ckpt(latest(a_dir / "ckpt"))
+    assert a["epoch"] == 2 and a["batch_in_epoch"] == 2  # 5 steps per epoch: 12 = 2 epochs + 2 batches
+    rows_a = read_jsonl(a_dir / "m.jsonl")
+    rows_b = read_jsonl(b_dir / "m.jsonl")
+    assert [r["step"] for r in rows_a] == [5, 10, 12]
+    assert [r["step"] for r in rows_b] == [5, 7, 10, 12]  # the first part's end line, then the resumed run's
+    for ra, rb in zip(rows_a, [rows_b[0], rows_b[2], rows_b[3]]):
+        assert ra["train_loss"] == rb["train_loss"] and ra["test_loss"] == rb["test_loss"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launchers and errors
+# --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+def test_plain_mpirun_launch():
+    cmd = ["mpirun", "-np", "2"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["--oversubscribe", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
+            "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
+            sys.executable, TRAIN, *QUICK, "--max-steps", "3", "--test-batches", "1"]
+    rc, out, _ = run_command(cmd, timeout=TIMEOUT, env=ENV)
+    check_ok(rc, out, "mpirun launch")
+    assert "mpi4py init" in out  # detected the MPI launcher without horovodrun's variables
+    final = final_of(out)
+    assert final["step"] == 3 and final["world_size"] == 2
+
+
+def test_missing_dataset_fails_with_the_loader_message(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = horovodrun(["--dataset", "fashion-mnist", "--data-dir", empty, "--max-steps", 2])
+    assert rc is not None, out[-4000:]
+    assert rc != 0
+    assert "Fashion-MNIST files missing" in out and "To fix" in out, out[-4000:]
+    assert f'File "{TRAIN}"' not in out  # a clear message, not a traceback from the script
+    assert "FINAL" not in out
+
+
+def test_missing_text_single_process(tmp_path):
+    rc, out, _ = run_command([sys.executable, TRAIN, *QUICK, "--dataset", "shakespeare", "--data-dir",
+                              str(tmp_path), "--max-steps", "1"], timeout=TIMEOUT, env=ENV)
+    assert rc == 2, f"exit {rc}\n{out[-4000:]}"
+    assert "No *.txt files" in out and "To fix" in out
+    assert "Traceback" not in out
+
+
+def test_bad_arguments_are_rejected():
+    rc, out, _ = run_command([sys.executable, TRAIN, "--dataset", "fashion-mnist", "--model", "lstm"],
+                             timeout=TIMEOUT)
+    assert rc == 2 and "does not fit" in out
+    rc, out, _ = run_command([sys.executable, TRAIN, "--compressor", "threshold"], timeout=TIMEOUT)
+    assert rc == 2 and "--threshold" in out
+    rc, out, _ = run_command([sys.executable, TRAIN, "--compressor", "none", "--value-dtype", "float16"],
+                             timeout=TIMEOUT)
+    assert rc == 2 and "sparse compressors" in out
