@@ -133,7 +133,7 @@ def train_consistency(args, outdir):
             opt.zero_grad()
             losses.append(float(loss))
         digests = hvd.allgather_object(params_digest(model), name=f"digest.{si}")
-        out[label] = {"digests": digests, "first_loss": losses[0], "last_loss": losses[-1],
+        out[label] = {"digests": digests, "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1],
                                    "density": opt.stats()["density"]}
     return out
 
