@@ -239,9 +239,19 @@ def fiber_threshold_select(a: torch.Tensor, layout: FiberLayout, thresholds: tor
 
 
 def random_positions(numel: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``k`` distinct random flat positions out of ``numel``, drawn from ``generator`` (sorted, int64)."""
-    perm = torch.randperm(numel, generator=generator, device=generator.device)[:k]
-    return perm.sort().values.to(device)
+    """``k`` distinct random flat positions out of ``numel``, drawn from ``generator`` (sorted, int64).
+
+    Uniform over k-subsets. For ``k`` much smaller than ``numel`` it draws with replacement and removes
+    duplicates (O(k)) instead of permuting all ``numel`` positions.
+    """
+    if k * 4 >= numel:
+        return torch.randperm(numel, generator=generator, device=generator.device)[:k].sort().values.to(device)
+    picked = torch.empty(0, dtype=torch.int64)
+    while picked.numel() < k:
+        draw = torch.randint(0, numel, (k + k // 8 + 16,), generator=generator, device=generator.device)
+        picked = torch.unique(torch.cat([picked, draw]))
+    keep = torch.randperm(picked.numel(), generator=generator, device=generator.device)[:k]
+    return picked[keep].sort().values.to(device)
 
 
 # --- threshold estimators -------------------------------------------------------------------------------
