@@ -263,6 +263,13 @@ def _count_at_least(mag: torch.Tensor, t: float) -> int:
     return int((mag >= t).sum())
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when all of it is finite (the common case: one reduction), else its finite entries."""
+    if x.numel() == 0 or math.isfinite(float(x.sum(dtype=torch.float64))):
+        return x
+    return x[torch.isfinite(x)]
+
+
 def refine_threshold(mag: torch.Tensor, t: float, k: int, max_iters: int = 5, tolerance: float = 1.25) -> float:
     """Move ``t`` toward a count of ``k`` entries of ``mag >= t``.
 
@@ -271,7 +278,7 @@ def refine_threshold(mag: torch.Tensor, t: float, k: int, max_iters: int = 5, to
     as the count is within ``[k / tolerance, k * tolerance]`` or after ``max_iters`` full passes. Used to
     correct a fitted threshold (Gaussian-k, SIDCo, DGC's sampled estimate).
     """
-    finite = mag[torch.isfinite(mag)]
+    finite = _finite(mag)
     top = float(finite.max()) if finite.numel() else 0.0
     if top <= 0.0:
         return float(t)
@@ -331,12 +338,11 @@ def gaussian_threshold(a: torch.Tensor, ratio: float) -> float:
 
     ``t = |mu| + sigma * Phi^-1(1 - ratio / 2)``.
     """
-    flat = a.reshape(-1).double()
-    finite = flat[torch.isfinite(flat)]
+    finite = _finite(a.reshape(-1))
     if finite.numel() < 2:
         return 0.0
-    mu = float(finite.mean())
-    sigma = float(finite.std())
+    sigma_t, mu_t = torch.std_mean(finite.float() if finite.dtype in (torch.float16, torch.bfloat16) else finite)
+    mu, sigma = float(mu_t), float(sigma_t)
     if ratio >= 1.0:
         return 0.0
     return abs(mu) + sigma * normal_quantile(1.0 - ratio / 2.0)
@@ -344,10 +350,10 @@ def gaussian_threshold(a: torch.Tensor, ratio: float) -> float:
 
 def redsync_threshold(mag: torch.Tensor, k: int, max_iters: int = 20, tolerance: float = 1.25) -> float:
     """RedSync (Fang et al., 2019): binary search ``r`` in [0, 1] for ``t = mean + r * (max - mean)``."""
-    finite = mag[torch.isfinite(mag)]
+    finite = _finite(mag)
     if finite.numel() == 0:
         return 0.0
-    mean, top = float(finite.mean()), float(finite.max())
+    mean, top = float(finite.float().mean()), float(finite.max())
     lo, hi = 0.0, 1.0
     t = mean
     for _ in range(max_iters):
@@ -377,11 +383,11 @@ def sidco_threshold(mag: torch.Tensor, ratio: float, stages: int = 2, distributi
     """
     if distribution not in ("exponential", "gamma", "gpareto"):
         raise ValueError(f"distribution must be 'exponential', 'gamma' or 'gpareto', got {distribution!r}")
-    x = mag[torch.isfinite(mag)].double()
+    x = _finite(mag)
     q = ratio ** (1.0 / stages)
     t = 0.0
-    for _ in range(stages):
-        exceed = x[x > t] - t
+    for stage in range(stages):
+        exceed = (x if stage == 0 else x[x > t] - t).double()
         if exceed.numel() < 2:
             break
         mean = float(exceed.mean())
