@@ -6,9 +6,20 @@
     hvd.init()
     opt = hat.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    compression=hat.Compression.adtopk(ratio=0.01))
-"""
-from .compressors import Compression, SparseCompressor
-from .optimizer import DistributedOptimizer
 
+``Compression`` and ``DistributedOptimizer`` need Horovod and are imported on first use, so the pure
+tensor modules (``horovod_adtopk.selection``, ``wire``, ``models``, ``datasets``) also work where Horovod is
+not installed (e.g. a GPU box used only for kernel benchmarks).
+"""
 __all__ = ["Compression", "DistributedOptimizer", "SparseCompressor"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in ("Compression", "SparseCompressor"):
+        from . import compressors
+        return getattr(compressors, name)
+    if name == "DistributedOptimizer":
+        from .optimizer import DistributedOptimizer
+        return DistributedOptimizer
+    raise AttributeError(f"module 'horovod_adtopk' has no attribute {name!r}")

@@ -105,20 +105,10 @@ def load_package(no_horovod: bool) -> Package:
         comp = importlib.import_module("horovod_adtopk.compressors")
         note = "horovod importable: dense/sparse rule from Compression.choose_path, selections cross-checked"
     except ImportError as exc:
-        missing = getattr(exc, "name", "") or ""
-        if missing.startswith("horovod_adtopk"):
+        if (getattr(exc, "name", "") or "").startswith("horovod_adtopk"):
             raise
-        # The package __init__ imports the compressors (hence Horovod). Register a bare package object
-        # so that the Horovod-free submodules can be imported without running __init__.
-        for key in [k for k in sys.modules if k == "horovod_adtopk" or k.startswith("horovod_adtopk.")]:
-            del sys.modules[key]
-        spec = importlib.util.find_spec("horovod_adtopk")
-        if spec is None or not spec.submodule_search_locations:
-            raise
-        pkg = types.ModuleType("horovod_adtopk")
-        pkg.__path__ = list(spec.submodule_search_locations)  # type: ignore[attr-defined]
-        pkg.__package__ = "horovod_adtopk"
-        sys.modules["horovod_adtopk"] = pkg
+        # horovod_adtopk's selection, wire and models modules need no Horovod (the package imports
+        # Horovod only for Compression / DistributedOptimizer, lazily).
         comp = None
         note = (f"horovod not importable ({exc.__class__.__name__}: {exc}); dense/sparse rule re-implemented "
                 "locally, no cross-check")

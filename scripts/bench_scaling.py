@@ -75,25 +75,19 @@ BETA_KEYS = ("beta", "beta_Bps", "beta_bytes_per_s", "bandwidth_bytes_per_s", "b
 
 
 def load_package(no_horovod: bool) -> Tuple[types.ModuleType, types.ModuleType, types.ModuleType, Optional[types.ModuleType], str]:
-    """(selection, wire, models, compressors or None, note). Without Horovod the package ``__init__`` is bypassed."""
+    """(selection, wire, models, compressors or None, note)."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     if no_horovod:
         sys.modules["horovod"] = None  # type: ignore[assignment]
     try:
-        comp: Optional[types.ModuleType] = importlib.import_module("horovod_adtopk.compressors")
-        note = "dense/sparse decisions from Compression.choose_path (horovod importable); local rule cross-checked"
+        comp = importlib.import_module("horovod_adtopk.compressors")
+        note = "horovod importable: dense/sparse rule from Compression.choose_path, selections cross-checked"
     except ImportError as exc:
         if (getattr(exc, "name", "") or "").startswith("horovod_adtopk"):
             raise
-        for key in [k for k in sys.modules if k == "horovod_adtopk" or k.startswith("horovod_adtopk.")]:
-            del sys.modules[key]
-        spec = importlib.util.find_spec("horovod_adtopk")
-        if spec is None or not spec.submodule_search_locations:
-            raise
-        pkg = types.ModuleType("horovod_adtopk")
-        pkg.__path__ = list(spec.submodule_search_locations)  # type: ignore[attr-defined]
-        sys.modules["horovod_adtopk"] = pkg
+        # horovod_adtopk's selection, wire and models modules need no Horovod (the package imports
+        # Horovod only for Compression / DistributedOptimizer, lazily).
         comp = None
         note = f"horovod not importable ({exc}); dense/sparse rule re-implemented in this script"
     return (importlib.import_module("horovod_adtopk.selection"), importlib.import_module("horovod_adtopk.wire"),

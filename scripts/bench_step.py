@@ -287,25 +287,14 @@ def measure_link(big: int, pings: int = 200) -> dict:
 # --- launching a cell ------------------------------------------------------------------------------------------
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    import psutil
+    """SIGKILL a launch and every process it started (the test harness's implementation)."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    from tests.harness import kill_tree as harness_kill_tree
     try:
-        victims = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        victims = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for v in victims:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        proc.wait(timeout=30)
+        harness_kill_tree(proc)
     except subprocess.TimeoutExpired:
         pass
-
 
 def launch_job(args, np_: int, cfg: dict, cfg_path: Path, out_path: Path):
     """One horovodrun job in its own session under --cell-timeout; returns (returncode|None, log lines, seconds)."""
