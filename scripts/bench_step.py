@@ -288,8 +288,8 @@ def measure_link(big: int, pings: int = 200) -> dict:
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL a launch and every process it started (the test harness's implementation)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from tests.harness import kill_tree as harness_kill_tree
     try:
         harness_kill_tree(proc)
