@@ -219,8 +219,7 @@ def threshold_select(a: torch.Tensor, threshold: Union[float, torch.Tensor]) -> 
     The count varies; it may be zero.
     """
     flat = a.reshape(-1)
-    mag = flat.abs()
-    mask = (mag >= threshold) | ~torch.isfinite(flat)
+    mask = torch.logical_not(flat.abs() < threshold)  # NaN compares False, so NaN (and +-Inf) are kept
     idx = mask.nonzero().reshape(-1)
     return flat[idx], idx
 
@@ -233,7 +232,7 @@ def fiber_threshold_select(a: torch.Tensor, layout: FiberLayout, thresholds: tor
     m = a.reshape(layout.rows, layout.cols)
     thr = thresholds.to(m.dtype)
     thr = thr.reshape(-1, 1) if layout.axis == 1 else thr.reshape(1, -1)
-    mask = (m.abs() >= thr) | ~torch.isfinite(m)
+    mask = torch.logical_not(m.abs() < thr)  # NaN compares False, so NaN (and +-Inf) are kept
     idx = mask.reshape(-1).nonzero().reshape(-1)
     return a.reshape(-1)[idx], idx
 
