@@ -327,14 +327,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(codec, SharedCodec):
             dense[codec.flat] = gathered.to(grad.dtype)  # already summed (and averaged) by allreduce
         else:
-            values, index = unpack(gathered, pend.wire_dtype, codec.index_dtype)
-            values = values.to(grad.dtype)
             if codec.count is None:
                 counts = self._comm.wait(pend.count_handle).tolist()
-                flat = codec.to_flat(index)
             else:
-                counts = [codec.count] * (index.numel() // max(codec.count, 1))
-                flat = codec.to_flat(index) if index.numel() else index
+                counts = [codec.count] * self._comm.size()
+            values, index = unpack(gathered, counts, pend.wire_dtype, codec.index_dtype)
+            values = values.to(grad.dtype)
+            flat = codec.to_flat(index)
             if dense.device.type == "cpu":
                 dense.index_add_(0, flat, values)  # sequential on CPU: rank order, identical on every rank
             else:

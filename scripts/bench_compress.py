@@ -47,7 +47,7 @@ the package compressor selects. ``--no-horovod`` forces the Horovod-free path.
 Wire-format check
 -----------------
 For ADTopk at ratio 0.01 on the biggest few sparse tensors (``--wire-tensors``) the script times the
-selection, packing into one interleaved ``uint8`` buffer ``[n, vb + ib]`` (``wire.pack``) and the
+selection, packing into one ``uint8`` block per rank (``wire.pack``: values, indices, 8-byte padding) and the
 alternative of two separate tensors (values cast, indices cast), and the matching unpack of a two-rank
 gather, so that the claim "packing costs a few % of selection" can be checked.
 
@@ -334,7 +334,7 @@ def aggregate(p: Picked, gathered: torch.Tensor, counts: Sequence[int], numel: i
     if p.wire_index is None:  # Random-k: the payload was summed (and averaged) by allreduce
         dense[p.flat] = gathered.to(dtype)
         return dense
-    values, index = wire.unpack(gathered, vdt, p.index_dtype)
+    values, index = wire.unpack(gathered, counts, vdt, p.index_dtype)
     values = values.to(dtype)
     flat = p.to_flat(index) if index.numel() else index
     if dense.device.type == "cpu":
@@ -445,6 +445,22 @@ def cross_check(rule: Rule, a: torch.Tensor, shape: Tuple[int, ...], name: str) 
 # --- wire-format decision data -------------------------------------------------------------------------------------
 
 
+def pack_rows(values: torch.Tensor, index: torch.Tensor, vdt: torch.dtype, idt: torch.dtype) -> torch.Tensor:
+    """The alternative layout: one uint8 row [value bytes | index bytes] per entry (one collective)."""
+    v = values.reshape(-1).to(vdt).contiguous()
+    i = index.reshape(-1).to(idt).contiguous()
+    n = v.numel()
+    return torch.cat([v.view(torch.uint8).reshape(n, v.element_size()), i.view(torch.uint8).reshape(n, i.element_size())], 1)
+
+
+def unpack_rows(rows: torch.Tensor, vdt: torch.dtype, idt: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    vb = torch.empty((), dtype=vdt).element_size()
+    n = rows.shape[0]
+    vcol = torch.empty((n, vb), dtype=torch.uint8).copy_(rows[:, :vb])
+    icol = torch.empty((n, rows.shape[1] - vb), dtype=torch.uint8).copy_(rows[:, vb:])
+    return vcol.view(vdt).reshape(-1), icol.view(idt).reshape(-1).to(torch.int64)
+
+
 def wire_check(pkg: Package, shapes: List[Tuple[str, Tuple[int, ...]]], args: argparse.Namespace,
                timer: Timer, device: torch.device, vdt: torch.dtype) -> List[Dict[str, Any]]:
     wire = pkg.wire
@@ -455,21 +471,26 @@ def wire_check(pkg: Package, shapes: List[Tuple[str, Tuple[int, ...]]], args: ar
         prep = rule.prepare(a, shape, name)
         sel_s, _, p = timer.run(lambda: rule.select(a, prep, 0))
         idt = p.index_dtype
-        inter_s, _, payload = timer.run(lambda: wire.pack(p.values, p.wire_index, vdt, idt))
+        n = p.values.numel()
+        block_s, _, payload = timer.run(lambda: wire.pack(p.values, p.wire_index, vdt, idt))
+        rows_s, _, rows_payload = timer.run(lambda: pack_rows(p.values, p.wire_index, vdt, idt))
         sep_s, _, (vals, idx) = timer.run(
             lambda: (p.values.to(vdt).contiguous(), p.wire_index.reshape(-1).to(idt).contiguous()))
         gathered = torch.cat([payload, payload])
+        gathered_rows = torch.cat([rows_payload, rows_payload])
         gv, gi = torch.cat([vals, vals]), torch.cat([idx, idx])
-        unpack_inter_s, _, _ = timer.run(lambda: wire.unpack(gathered, vdt, idt))
+        unpack_block_s, _, _ = timer.run(lambda: wire.unpack(gathered, [n, n], vdt, idt))
+        unpack_rows_s, _, _ = timer.run(lambda: unpack_rows(gathered_rows, vdt, idt))
         unpack_sep_s, _, _ = timer.run(lambda: (gv.to(a.dtype), gi.to(torch.int64)))
-        rows.append({"name": name, "shape": list(shape), "numel": a.numel(), "entries": p.values.numel(),
+        rows.append({"name": name, "shape": list(shape), "numel": a.numel(), "entries": n,
                      "entry_bytes": wire.entry_bytes(vdt, idt), "index_dtype": str(idt).replace("torch.", ""),
-                     "select_s": sel_s, "pack_interleaved_s": inter_s, "pack_separate_s": sep_s,
-                     "unpack_interleaved_s": unpack_inter_s, "unpack_separate_s": unpack_sep_s,
-                     "pack_interleaved_over_select": inter_s / sel_s if sel_s else None,
+                     "select_s": sel_s, "pack_block_s": block_s, "pack_rows_s": rows_s, "pack_separate_s": sep_s,
+                     "unpack_block_s": unpack_block_s, "unpack_rows_s": unpack_rows_s, "unpack_separate_s": unpack_sep_s,
+                     "pack_block_over_select": block_s / sel_s if sel_s else None,
+                     "pack_rows_over_select": rows_s / sel_s if sel_s else None,
                      "pack_separate_over_select": sep_s / sel_s if sel_s else None,
-                     "collectives_interleaved": 1, "collectives_separate": 2})
-        del a, prep, p, payload, gathered, gv, gi
+                     "collectives_block": 1, "collectives_rows": 1, "collectives_separate": 2})
+        del a, prep, p, payload, gathered, gv, gi, rows_payload, gathered_rows
     return rows
 
 
@@ -705,15 +726,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = wire_check(pkg, picks, args, timer, device, vdt)
         report["wire_format"] = rows
         print(f"\n== wire format: adtopk @ 0.01, biggest {len(rows)} sparse shapes (ms; pack includes the value cast)")
-        hdr = (f"{'tensor':<34} {'shape':<18} {'entries':>8} {'B/ent':>5} {'select':>9} {'pack_1buf':>9} {'pack_2t':>9} "
-               f"{'1buf/sel':>8} {'2t/sel':>7} {'unpack_1buf':>11} {'unpack_2t':>9}")
-        print(hdr + "\n" + "-" * len(hdr))
+        hdr = (f"{'tensor':<34} {'shape':<18} {'entries':>8} {'B/ent':>5} {'select':>9} {'pk_block':>8} {'pk_rows':>8} "
+               f"{'pk_2t':>7} {'blk/sel':>7} {'rows/sel':>8} {'2t/sel':>6} {'up_block':>8} {'up_rows':>8} {'up_2t':>7}")
+        print(hdr)
+        print("-" * len(hdr))
         for w in rows:
-            print(f"{w['name'][:34]:<34} {shape_key(tuple(w['shape'])):<18} {w['entries']:>8} {w['entry_bytes']:>5} "
-                  f"{ms(w['select_s']):>9} {ms(w['pack_interleaved_s']):>9} {ms(w['pack_separate_s']):>9} "
-                  f"{100 * w['pack_interleaved_over_select']:>7.1f}% {100 * w['pack_separate_over_select']:>6.1f}% "
-                  f"{ms(w['unpack_interleaved_s']):>11} {ms(w['unpack_separate_s']):>9}")
-        print("(1buf: one interleaved uint8 [n, vb+ib] payload = 1 collective; 2t: values + indices = 2 collectives)")
+            print(f"{w['name']:<34} {'x'.join(map(str, w['shape'])):<18} {w['entries']:>8} {w['entry_bytes']:>5} "
+                  f"{ms(w['select_s']):>9} {ms(w['pack_block_s']):>8} {ms(w['pack_rows_s']):>8} {ms(w['pack_separate_s']):>7} "
+                  f"{100 * w['pack_block_over_select']:>6.1f}% {100 * w['pack_rows_over_select']:>7.1f}% "
+                  f"{100 * w['pack_separate_over_select']:>5.1f}% "
+                  f"{ms(w['unpack_block_s']):>8} {ms(w['unpack_rows_s']):>8} {ms(w['unpack_separate_s']):>7}")
+        print("(block: the package's one uint8 block per rank [values | pad | indices | pad] = 1 collective; rows: one "
+              "[value|index] row per entry = 1 collective; 2t: values + indices as two tensors = 2 collectives)")
 
     report["all_checks_ok"] = all_checks_ok
     report["seconds"] = time.perf_counter() - t_start

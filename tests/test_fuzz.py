@@ -86,8 +86,9 @@ def test_adtopk_fuzz(shape, dtype, ratio, axis, n_bad, seed, wire_half):
     # Wire round trip for two identical ranks, then aggregation by scatter-add.
     wdt = comp.wire_value_dtype(a.dtype)
     payload = wire.pack(s.values.to(wdt), s.wire_index, wdt, s.codec.index_dtype)
-    assert payload.shape == (s.values.numel(), wire.entry_bytes(wdt, s.codec.index_dtype))
-    values, index = wire.unpack(torch.cat([payload, payload]), wdt, s.codec.index_dtype)
+    n = s.values.numel()
+    assert payload.numel() == wire.block_bytes(n, wdt, s.codec.index_dtype)
+    values, index = wire.unpack(torch.cat([payload, payload]), [n, n], wdt, s.codec.index_dtype)
     dense = torch.zeros(a.numel(), dtype=torch.float64)
     dense.index_add_(0, s.codec.to_flat(index), values.double())
     want = np.zeros(an.size)
