@@ -140,8 +140,11 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
         ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
         base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
         return ddp, base, "ddp", state
-    compression = hat.Compression.get(mode, ratio=cfg["ratio"])
-    return model, hat.DistributedOptimizer(base, named_parameters=named, compression=compression), "hat", None
+    partial = mode.endswith("-p")  # e.g. adtopk-p: partial sparsification decides per tensor after warm-up
+    compression = hat.Compression.get(mode[:-2] if partial else mode, ratio=cfg["ratio"])
+    opt = hat.DistributedOptimizer(base, named_parameters=named, compression=compression,
+                                   partial_sparsification=partial, profile_rounds=max(1, cfg["warmup"]))
+    return model, opt, "hat", None
 
 
 def run_mode(mode: str, idx: int, cfg: dict) -> dict:

@@ -137,7 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, str(REPO))
     from horovod_adtopk.compressors import _REGISTRY  # light import check of the names
     for m in a.modes:
-        if m not in known_dense and m.replace("-", "_") not in _REGISTRY:
+        base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
+        if m not in known_dense and base_name.replace("-", "_") not in _REGISTRY:
             ap.error(f"unknown mode {m!r}; modes: {', '.join(sorted(known_dense))} or a compressor "
                      f"({', '.join(sorted(_REGISTRY))})")
     if any(n < 2 for n in a.np):
