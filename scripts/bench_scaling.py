@@ -75,23 +75,12 @@ BETA_KEYS = ("beta", "beta_Bps", "beta_bytes_per_s", "bandwidth_bytes_per_s", "b
 
 
 def load_package(no_horovod: bool) -> Tuple[types.ModuleType, types.ModuleType, types.ModuleType, Optional[types.ModuleType], str]:
-    """(selection, wire, models, compressors or None, note)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    if no_horovod:
-        sys.modules["horovod"] = None  # type: ignore[assignment]
-    try:
-        comp = importlib.import_module("horovod_adtopk.compressors")
-        note = "horovod importable: dense/sparse rule from Compression.choose_path, selections cross-checked"
-    except ImportError as exc:
-        if (getattr(exc, "name", "") or "").startswith("horovod_adtopk"):
-            raise
-        # horovod_adtopk's selection, wire and models modules need no Horovod (the package imports
-        # Horovod only for Compression / DistributedOptimizer, lazily).
-        comp = None
-        note = f"horovod not importable ({exc}); dense/sparse rule re-implemented in this script"
-    return (importlib.import_module("horovod_adtopk.selection"), importlib.import_module("horovod_adtopk.wire"),
-            importlib.import_module("horovod_adtopk.models"), comp, note)
+    """(selection, wire, models, compressors or None, note), loaded as bench_compress.py does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_compress import load_package as load_for_bench
+
+    pkg = load_for_bench(no_horovod)
+    return pkg.sel, pkg.wire, pkg.models, pkg.compressors, pkg.note
 
 
 # --- link parameters -------------------------------------------------------------------------------------------
