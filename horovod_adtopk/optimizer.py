@@ -19,6 +19,7 @@ every rank's, for a checkpoint written by rank 0 alone.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -74,8 +75,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
             raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
                              "model.named_parameters()")
-        names = [k for k, _ in named_parameters]
-        dups = sorted({n for n in names if names.count(n) > 1})
+        counts = collections.Counter(k for k, _ in named_parameters)
+        dups = sorted(n for n, c in counts.items() if c > 1)
         if dups:
             raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
         all_ids = {id(v) for group in self.param_groups for v in group["params"]}
@@ -113,19 +114,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._partial_report: Optional[dict] = None
 
         self._infos: Dict[str, TensorInfo] = {}
-        self._sparse_path: Dict[str, bool] = {}
-        world = self._comm.size() if self._comm.included() else 1
         for p, name in self._parameter_names.items():
             if not p.requires_grad:
                 continue
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name!r} has dtype {p.dtype}; only floating-point parameters can be "
                                 "trained with horovod_adtopk")
-            info = TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
-            self._infos[name] = info
-            sparse, reason = compression.choose_path(info, world) if self._sparse else (False, "dense compressor")
-            self._sparse_path[name] = sparse
-            self._stats.set_path(name, info.numel, sparse, reason)
+            self._infos[name] = TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
+        self._sparse_path: Dict[str, bool] = {}
+        self._plan_paths()
 
         self._groups = self._make_groups(groups)
         self._group_ready: Dict[tuple, int] = {g: 0 for g in set(self._groups.values())}
@@ -134,6 +131,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._register_hooks()
 
     # --- set-up ---------------------------------------------------------------------------------------------
+    def _plan_paths(self) -> None:
+        """Dense or sparse for every parameter, for the current world size (and a partial-sparsification
+        decision, if one was taken)."""
+        world = self._comm.size() if self._comm.included() else 1
+        decided = (self._partial_report or {}).get("tensors", {})
+        for name, info in self._infos.items():
+            if not self._sparse:
+                sparse, reason = False, "dense compressor"
+            elif not decided.get(name, {}).get("sparse", True):
+                sparse, reason = False, "partial sparsification"
+            else:
+                sparse, reason = self._compression.choose_path(info, world)
+            self._sparse_path[name] = sparse
+            self._stats.set_path(name, info.numel, sparse, reason)
+
     def _make_groups(self, groups) -> Dict[torch.Tensor, tuple]:
         """Map dense-path parameters to their explicit allreduce group (Horovod's ``groups`` argument)."""
         if groups is None:
@@ -547,10 +559,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         report = ours.get("partial_sparsification")
         if self._partial and report is not None:
             self._partial_report = report
-            for name, entry in report["tensors"].items():
-                if not entry["sparse"] and name in self._sparse_path:
-                    self._sparse_path[name] = False
-                    self._stats.set_path(name, self._infos[name].numel, False, "partial sparsification (restored)")
+            self._plan_paths()
         rank = self._comm.rank() if self._comm.included() else 0
         size = self._comm.size() if self._comm.included() else 1
         entry = {int(k): v for k, v in ours["ranks"].items()}.get(rank)
@@ -583,14 +592,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._config_checked = False
-        if self._sparse and self._comm.included():
-            world = self._comm.size()
-            for name, info in self._infos.items():
-                sparse, reason = self._compression.choose_path(info, world)
-                if self._partial_report is not None and not self._partial_report["tensors"].get(name, {}).get("sparse", True):
-                    sparse, reason = False, "partial sparsification"
-                self._sparse_path[name] = sparse
-                self._stats.set_path(name, info.numel, sparse, reason)
+        self._plan_paths()
 
     def stats(self) -> dict:
         """Cumulative counters of this rank (see :mod:`horovod_adtopk.stats`)."""
