@@ -44,6 +44,10 @@ def make_cases():
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
                   "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False, "error_feedback": False}})
     cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 2, "compressor": "none"})
+    # Horovod's `groups`: explicit grouped allreduces of the dense-path tensors
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 2, "compressor": "none", "groups": 2})
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 2, "groups": 1,
+                  "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False}})
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3, "compressor": "topk",
                   "kwargs": {"ratio": 0.05, "min_numel": 0, "hybrid": False}})
     # variable-size payloads; rank 1's gradients are far below the threshold: it sends nothing at all

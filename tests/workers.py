@@ -62,7 +62,8 @@ def reference_cases(args, outdir):
         opt = hat.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.0), named_parameters=named,
                                        compression=_case_compression(case),
                                        op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
-                                       gradient_predivide_factor=case.get("predivide", 1.0))
+                                       gradient_predivide_factor=case.get("predivide", 1.0),
+                                       groups=case.get("groups"))
         dtype = DTYPES[case.get("dtype", "float32")]
         arrays = {}
         for t in range(case.get("steps", 3)):
