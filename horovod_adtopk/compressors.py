@@ -24,7 +24,7 @@ import torch
 from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
 
 from . import selection as sel
-from .wire import WIRE_VALUE_DTYPES, index_dtype_for
+from .wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
 
 DEFAULT_MIN_NUMEL = 1024
 
@@ -34,8 +34,6 @@ DEFAULT_MIN_NUMEL = 1024
 
 class FiberCodec:
     """Fiber-local indices, ``layout.count`` entries per rank in fiber-major order."""
-
-    transport = "allgather"
 
     def __init__(self, layout: sel.FiberLayout) -> None:
         self.layout = layout
@@ -51,19 +49,11 @@ class FiberCodec:
 
     def to_flat(self, wire_index: torch.Tensor) -> torch.Tensor:
         """Flat positions of the indices of one or more rank blocks (length a multiple of ``count``)."""
-        if self.layout.count == 0:  # an empty tensor: nothing to place
-            return wire_index.reshape(-1).to(torch.int64)
-        blocks = wire_index.reshape(-1, self.layout.count).to(torch.int64)
-        return (self.bases(wire_index.device) + blocks * self.layout.stride).reshape(-1)
-
-    def key(self) -> tuple:
-        return ("fiber", self.layout.axis, self.layout.k)
+        return sel.local_to_flat(wire_index, self.layout, self.bases(wire_index.device))
 
 
 class FlatCodec:
     """Flat offsets; ``count=None`` means the number of entries varies per rank and step."""
-
-    transport = "allgather"
 
     def __init__(self, numel: int, count: Optional[int]) -> None:
         self.index_dtype = index_dtype_for(max(numel - 1, 0))
@@ -72,22 +62,15 @@ class FlatCodec:
     def to_flat(self, wire_index: torch.Tensor) -> torch.Tensor:
         return wire_index.to(torch.int64)
 
-    def key(self) -> tuple:
-        return ("flat", self.count)
-
 
 class SharedCodec:
     """Positions every rank derives identically: only values travel, summed by allreduce."""
 
-    transport = "allreduce"
     index_dtype = None
 
     def __init__(self, flat: torch.Tensor) -> None:
         self.flat = flat
         self.count = flat.numel()
-
-    def key(self) -> tuple:
-        return ("shared", self.count)
 
 
 @dataclass
@@ -138,7 +121,8 @@ class SparseCompressor(Compressor):
     """
 
     name = "sparse"
-    fixed_size = True
+    #: payloads travel by allgather (False: values are summed by allreduce, as for Random-k)
+    gathers = True
     #: whether 1-D tensors may be sparse (fiber rules need 2 dims; all rules follow the paper and keep
     #: biases and norms dense)
     min_dims = 2
@@ -195,6 +179,12 @@ class SparseCompressor(Compressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(info.numel - 1)
 
+    def nominal_bytes(self, info: TensorInfo) -> Tuple[int, int]:
+        """``(P, D)``: one rank's payload bytes per step (nominal for variable-size rules) and the dense
+        tensor's bytes."""
+        entry = entry_bytes(self.wire_value_dtype(info.dtype), self.nominal_index_dtype(info))
+        return self.nominal_count(info) * entry, info.numel * dtype_bytes(info.dtype)
+
     def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
         """Decide once per tensor: ``(sparse?, reason)``.
 
@@ -206,14 +196,10 @@ class SparseCompressor(Compressor):
             return False, f"{len(info.shape)}-D tensor"
         if info.numel < self.min_numel:
             return False, f"numel {info.numel} < min_numel {self.min_numel}"
-        vbytes = torch.empty((), dtype=self.wire_value_dtype(info.dtype)).element_size()
-        idt = self.nominal_index_dtype(info)
-        ibytes = 0 if idt is None else torch.empty((), dtype=idt).element_size()
-        payload = self.nominal_count(info) * (vbytes + ibytes)
-        dense = info.numel * torch.empty((), dtype=info.dtype).element_size()
+        payload, dense = self.nominal_bytes(info)
         if payload >= dense:
             return False, f"sparse payload {payload} B >= dense {dense} B"
-        if self.hybrid and world_size * payload >= 2 * dense:
+        if self.hybrid and self.gathers and world_size * payload >= 2 * dense:
             return False, f"allgather of {world_size} x {payload} B >= ring allreduce of {dense} B"
         return True, "sparse"
 
@@ -314,6 +300,7 @@ class RandomkCompressor(SparseCompressor):
     no indices travel, and the values are summed by allreduce."""
 
     name = "randomk"
+    gathers = False  # values are allreduced: the allgather term of the hybrid rule does not apply
 
     def __init__(self, ratio: float, seed: int = 0, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
@@ -324,14 +311,6 @@ class RandomkCompressor(SparseCompressor):
 
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return None
-
-    def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
-        # Values are allreduced, so the allgather term of the cost model does not apply.
-        was, self.hybrid = self.hybrid, False
-        try:
-            return super().choose_path(info, world_size)
-        finally:
-            self.hybrid = was
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         k = sel.keep_count(self.ratio, info.numel)
@@ -344,8 +323,6 @@ class RandomkCompressor(SparseCompressor):
 
 class _ThresholdCompressor(SparseCompressor):
     """Variable-size rules: keep ``|a| >= t`` with ``t`` from :meth:`threshold`."""
-
-    fixed_size = False
 
     def threshold(self, a: torch.Tensor, mag: torch.Tensor, info: TensorInfo, step: int) -> float:
         raise NotImplementedError
@@ -503,7 +480,6 @@ class ADTopkTCompressor(ADTopkCompressor):
     """
 
     name = "adtopk_t"
-    fixed_size = False
 
     def __init__(self, ratio: float, tau_min: int = 1, tau_max: int = 16, tolerance: float = 0.1,
                  warmup: int = 2, **kwargs) -> None:

@@ -439,12 +439,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for i, name in enumerate(names):
             info = self._infos[name]
             comp, decomp = shared[2 * i], shared[2 * i + 1]
-            elem = torch.empty((), dtype=info.dtype).element_size()
-            vbytes = torch.empty((), dtype=compression.wire_value_dtype(info.dtype)).element_size()
-            idt = compression.nominal_index_dtype(info)
-            ibytes = 0 if idt is None else torch.empty((), dtype=idt).element_size()
-            payload = compression.nominal_count(info) * (vbytes + ibytes)
-            dense_s = ar_small + info.numel * elem * ar_beta
+            payload, dense = compression.nominal_bytes(info)
+            dense_s = ar_small + dense * ar_beta
             sparse_s = comp + decomp + ag_small + payload * ag_beta
             keep_sparse = sparse_s < dense_s
             report[name] = {"sparse": keep_sparse, "compress_s": comp, "decompress_s": decomp,

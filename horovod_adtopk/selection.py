@@ -200,10 +200,14 @@ def fiber_bases(layout: FiberLayout, device: torch.device) -> torch.Tensor:
 
 
 def local_to_flat(local: torch.Tensor, layout: FiberLayout, bases: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Flat indices (int64) of fiber-local indices laid out fiber-major as :func:`all_dimension_topk` gives."""
+    """Flat indices (int64) of fiber-local indices laid out fiber-major as :func:`all_dimension_topk` gives,
+    for one rank's block or several concatenated ones (length a multiple of ``layout.count``)."""
+    if layout.count == 0:  # an empty tensor: nothing to place
+        return local.reshape(-1).to(torch.int64)
     if bases is None:
         bases = fiber_bases(layout, local.device)
-    return bases + local.reshape(-1).to(torch.int64) * layout.stride
+    blocks = local.reshape(-1, layout.count).to(torch.int64)
+    return (bases + blocks * layout.stride).reshape(-1)
 
 
 def global_topk(a: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:

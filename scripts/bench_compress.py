@@ -215,13 +215,12 @@ class Rule:
         lay, bases = prep["layout"], prep["bases"]
         values, local = self.sel.all_dimension_topk(a, lay, prep["scratch"])
         flat = self.sel.local_to_flat(local, lay, bases)
-        count, stride = lay.count, lay.stride
 
-        def to_flat(idx: torch.Tensor) -> torch.Tensor:  # FiberCodec.to_flat
-            return (bases + idx.reshape(-1, count).to(torch.int64) * stride).reshape(-1)
+        def to_flat(idx: torch.Tensor) -> torch.Tensor:  # what FiberCodec.to_flat does
+            return self.sel.local_to_flat(idx, lay, bases)
 
         return Picked(values.reshape(-1), flat, local.reshape(-1), self.pkg.wire.index_dtype_for(lay.fiber_len - 1),
-                      count, to_flat)
+                      lay.count, to_flat)
 
     def _flat(self, values: torch.Tensor, flat: torch.Tensor, numel: int, count: Optional[int]) -> Picked:
         return Picked(values, flat, flat, self.pkg.wire.index_dtype_for(numel - 1), count, _identity_flat)
