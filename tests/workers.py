@@ -87,6 +87,9 @@ def reference_cases(args, outdir):
 
 
 class SmallCNN(torch.nn.Module):
+    """A quarter-width horovod_adtopk.models.SmallCNN (8/16 channels, 27.6k parameters): the many-step
+    consistency and resume tests train one per compressor, and the full-width model is 8x larger."""
+
     def __init__(self):
         super().__init__()
         self.conv1 = torch.nn.Conv2d(1, 8, 3)
