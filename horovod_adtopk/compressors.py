@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Type
 
 import torch
-from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
+try:  # Horovod is needed to train, not to select: benchmarks and GPU boxes without Horovod use the rules too
+    from horovod.torch.compression import Compressor, FP16Compressor, NoneCompressor
+except ImportError:  # pragma: no cover - exercised where Horovod is absent
+    class Compressor:  # type: ignore[no-redef]
+        """Stand-in for ``horovod.torch.compression.Compressor`` when Horovod is not installed."""
+
+    NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
 from . import selection as sel
 from .wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for

@@ -97,9 +97,13 @@ else
   echo "$KEY" > "$stamp"
 fi
 
-# 4. This project ----------------------------------------------------------------------------------------
-here=$("$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
+# 4. This project, installed into .venv (editable), so it imports from any directory -----------------------
+# The check runs from / : from the repository root the source tree itself would be found and hide a missing
+# install.
+here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
 [ "$here" = "$ROOT" ] || "${PIP[@]}" --no-deps --no-build-isolation -e .
+here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
+[ "$here" = "$ROOT" ] || die "horovod_adtopk is not importable from outside the repository after 'pip install -e .'"
 
 # 5. Check the build -------------------------------------------------------------------------------------
 check=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check"

@@ -17,11 +17,11 @@ def info_of(t, name="w"):
 
 def real_cnn_gradient():
     """The conv2 and fc1 gradients of the small CNN on a real Fashion-MNIST batch (random data if absent)."""
-    from horovod_adtopk.models import build_model
+    from examples.models import build_model
     torch.manual_seed(0)
     model = build_model("cnn")
     try:
-        from horovod_adtopk.datasets import load_fashion_mnist
+        from examples.datasets import load_fashion_mnist
         train, _ = load_fashion_mnist()
         x, y = train.tensors[0][:256], train.tensors[1][:256]
     except (FileNotFoundError, ImportError):

@@ -1,4 +1,4 @@
-"""Fast tests for horovod_adtopk.datasets and horovod_adtopk.models (CPU, offline, a few seconds)."""
+"""Fast tests for examples/datasets.py and examples/models.py (CPU, offline, a few seconds)."""
 from __future__ import annotations
 
 import gzip
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_adtopk.datasets import (
+from examples.datasets import (
     FASHION_MNIST_DIR,
     FASHION_MNIST_MEAN,
     FASHION_MNIST_STD,
@@ -20,7 +20,7 @@ from horovod_adtopk.datasets import (
     read_idx,
     shakespeare_text_files,
 )
-from horovod_adtopk.models import (
+from examples.models import (
     CANONICAL_PARAM_COUNTS,
     MODEL_NAMES,
     build_model,

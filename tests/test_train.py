@@ -1,4 +1,4 @@
-"""The training job scripts/train.py (and scripts/plot.py), launched for real on 2 ranks.
+"""The training job examples/train.py (and examples/plot.py), launched for real on 2 ranks.
 
 Every launch goes through tests.harness.run_command, which kills the whole process tree on timeout.
 Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 2-3 minutes
@@ -17,8 +17,8 @@ import torch
 
 from tests.harness import HOROVODRUN, REPO, run_command
 
-TRAIN = str(REPO / "scripts" / "train.py")
-PLOT = str(REPO / "scripts" / "plot.py")
+TRAIN = str(REPO / "examples" / "train.py")
+PLOT = str(REPO / "examples" / "plot.py")
 TIMEOUT = 150
 ENV = {"HOROVOD_CYCLE_TIME": "1"}
 METRIC_KEYS = {"epoch", "step", "train_loss", "test_loss", "wall_time", "bytes_sent", "bytes_dense", "density",

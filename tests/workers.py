@@ -87,7 +87,7 @@ def reference_cases(args, outdir):
 
 
 class SmallCNN(torch.nn.Module):
-    """A quarter-width horovod_adtopk.models.SmallCNN (8/16 channels, 27.6k parameters): the many-step
+    """A quarter-width examples/models.py SmallCNN (8/16 channels, 27.6k parameters): the many-step
     consistency and resume tests train one per compressor, and the full-width model is 8x larger."""
 
     def __init__(self):

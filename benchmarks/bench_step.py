@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Step-time benchmark: dense Horovod, fp16, PowerSGD (DDP) and horovod_adtopk compressors on capped links.
 
-    python scripts/bench_step.py --quick            # mlp, 2 ranks, uncapped + 1gbit, 4 modes (< 3 min)
-    python scripts/bench_step.py                    # the full matrix (long: hours on a small machine)
-    python scripts/bench_step.py --rates uncapped,1gbit --np 2 --models mlp --compressors adtopk,topk
+    python benchmarks/bench_step.py --quick            # mlp, 2 ranks, uncapped + 1gbit, 4 modes (< 3 min)
+    python benchmarks/bench_step.py                    # the full matrix (long: hours on a small machine)
+    python benchmarks/bench_step.py --rates uncapped,1gbit --np 2 --models mlp --compressors adtopk,topk
 
 All ranks run on this machine. The script re-executes itself inside a private network namespace
 (``unshare -n``, or ``unshare -r -n`` when not root) that has nothing but its own loopback, and caps that
@@ -21,7 +21,7 @@ from the slope so the 1 MB token-bucket burst cancels out) and stored under ``"l
 
 For each (rate, N, model) cell one ``horovodrun --gloo`` job is launched (HOROVOD_CYCLE_TIME=1 ms by
 default, OMP_NUM_THREADS=1 per rank) and every mode of the cell runs inside it, in turn, on a fresh model
-(see ``scripts/_bench_step_worker.py``). A step is forward + backward + optimizer step on a random batch
+(see ``benchmarks/_bench_step_worker.py``). A step is forward + backward + optimizer step on a random batch
 of fixed size per rank (mlp: 32 x 2048, resnet18: 32 x 3x32x32, lstm: 16 x 64 tokens, vocab 84); after
 ``--warmup`` steps, ``--steps`` steps are timed (fewer if a mode exceeds ``--mode-budget`` seconds, at
 least ``--min-steps``). Reported: the median over steps of the max over ranks of the step time, its ratio

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Plot and compare training runs from the JSONL metrics files of ``scripts/train.py --metrics-out``.
+"""Plot and compare training runs from the JSONL metrics files of ``examples/train.py --metrics-out``.
 
-    python scripts/plot.py runs/adtopk.jsonl runs/none.jsonl --out runs/plots
+    python examples/plot.py runs/adtopk.jsonl runs/none.jsonl --out runs/plots
 
 Writes three PNGs into ``--out``: the test metric (accuracy for Fashion-MNIST, perplexity for
 Shakespeare) against epochs, against wall time, and against bytes sent (summed over ranks, log scale).
@@ -101,7 +101,7 @@ def plot_dataset(dataset: str, runs: "OrderedDict[str, List[dict]]", out: Path) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Plot runs of scripts/train.py (JSONL metrics files).")
+    p = argparse.ArgumentParser(description="Plot runs of examples/train.py (JSONL metrics files).")
     p.add_argument("runs", nargs="+", type=Path, help="metrics files written by train.py --metrics-out")
     p.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
     args = p.parse_args(argv)

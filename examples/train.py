@@ -3,10 +3,10 @@
 
 Launch one process per slot with any of::
 
-    horovodrun -np 2 python scripts/train.py --dataset fashion-mnist --compressor adtopk --ratio 0.01 --epochs 1
-    mpirun -np 2 python scripts/train.py ...          # plain MPI launcher (Horovod built with MPI)
-    srun python scripts/train.py ...                  # Slurm (see scripts/slurm_train.sbatch)
-    python scripts/train.py ...                       # a single process
+    horovodrun -np 2 python examples/train.py --dataset fashion-mnist --compressor adtopk --ratio 0.01 --epochs 1
+    mpirun -np 2 python examples/train.py ...          # plain MPI launcher (Horovod built with MPI)
+    srun python examples/train.py ...                  # Slurm (see examples/slurm_train.sbatch)
+    python examples/train.py ...                       # a single process
 
 Conventions follow Horovod's PyTorch examples: a ``DistributedSampler`` per rank (reshuffled per epoch
 through ``set_epoch``), the learning rate scaled by the number of ranks with a linear warm-up, the
@@ -44,10 +44,6 @@ import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
@@ -55,8 +51,8 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import horovod_adtopk as hat  # noqa: E402
-from horovod_adtopk import datasets  # noqa: E402
-from horovod_adtopk.models import build_model  # noqa: E402
+import datasets  # noqa: E402  (examples/datasets.py, beside this script)
+from models import build_model  # noqa: E402  (examples/models.py)
 
 CKPT_FORMAT = 1
 LATEST = "latest"

@@ -3,8 +3,8 @@
 
 Nothing is timed here: the script prices each model's gradient exchange with the alpha-beta model of
 ring collectives (alpha = per-message latency in seconds, beta = link bandwidth in bytes/s), using the
-real layer shapes of ResNet-50, VGG-16 and BERT-base (``horovod_adtopk.models.layer_shapes``) and the
-~25M-parameter MLP 2048-4096-4096-10 (``horovod_adtopk.models.MLP``, built on the meta device), for
+real layer shapes of ResNet-50, VGG-16 and BERT-base (``examples.models.layer_shapes``) and the
+~25M-parameter MLP 2048-4096-4096-10 (``examples.models.MLP``, built on the meta device), for
 W = 2, 4, ..., 64 and density ratios 0.01 and 0.001.
 
 Formulas (per collective; D = dense bytes, P = one rank's sparse payload bytes):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convergence benchmark: dense training vs sparse gradient compressors, same seed, same budget.
 
-Every run is one launch of ``horovodrun -np N --gloo python scripts/train.py`` (sequential, each under
+Every run is one launch of ``horovodrun -np N --gloo python examples/train.py`` (sequential, each under
 ``--run-timeout``), with the same ``--seed`` for every method, so the model initialisation, the data order
 and the learning-rate schedule are identical and only the gradient compressor differs. Grid: datasets
 (Fashion-MNIST with the small CNN, Shakespeare with the char LSTM) x methods (``none`` = dense, run once
@@ -31,7 +31,7 @@ most ``--test-batches`` batches each), at the wall time and byte counters stored
 final checkpoint of the first run of each dataset is scored too and compared with train.py's own final
 test loss as a consistency check (``eval_check_abs_diff`` in the summary). Checkpoints are deleted afterwards unless
 ``--keep-checkpoints``. The per-run curves (train.py's records plus the checkpoint points, in train.py's
-JSONL schema) go to ``OUT/curves/`` and are plotted with ``scripts/plot.py`` per dataset into ``OUT``.
+JSONL schema) go to ``OUT/curves/`` and are plotted with ``examples/plot.py`` per dataset into ``OUT``.
 
 Outputs in ``--out-dir`` (default ``bench_results/convergence``; ``.../quick`` with ``--quick``): one
 ``<run>.jsonl`` per run (train.py's own file), ``logs/<run>.log``, ``curves/<run>.jsonl``, the PNGs,
@@ -45,9 +45,9 @@ under a point are within run-to-run noise.
 Wall times on a small CPU machine with more ranks than cores measure oversubscribed compute plus
 compression cost, not a network; compare them between methods of the same invocation only.
 
-    python scripts/bench_convergence.py --quick                   # smoke test, < 2 minutes
-    python scripts/bench_convergence.py                           # full grid (about an hour on 2 cores)
-    python scripts/bench_convergence.py --datasets fashion-mnist --methods none,adtopk,topk --ratios 0.01
+    python benchmarks/bench_convergence.py --quick                   # smoke test, < 2 minutes
+    python benchmarks/bench_convergence.py                           # full grid (about an hour on 2 cores)
+    python benchmarks/bench_convergence.py --datasets fashion-mnist --methods none,adtopk,topk --ratios 0.01
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ if str(REPO) not in sys.path:
 
 from tests.harness import HOROVODRUN, run_command  # noqa: E402
 
-TRAIN = REPO / "scripts" / "train.py"
-PLOT = REPO / "scripts" / "plot.py"
+TRAIN = REPO / "examples" / "train.py"
+PLOT = REPO / "examples" / "plot.py"
 DATASETS = ("fashion-mnist", "shakespeare")
 DEFAULT_METHODS = ("none", "adtopk", "topk", "adtopk_i", "dgc", "randomk")
 DEFAULT_RATIOS = (0.01, 0.001)
@@ -127,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the evaluation checkpoints of every run")
     p.add_argument("--reuse", action="store_true",
                    help="skip a run whose previous result in --out-dir finished with exactly the same command")
-    p.add_argument("--no-plots", action="store_true", help="do not call scripts/plot.py")
+    p.add_argument("--no-plots", action="store_true", help="do not call examples/plot.py")
     p.add_argument("--quick", action="store_true",
                    help="smoke test under 2 minutes: 2 ranks, fashion-mnist, dense + adtopk + topk at 0.01, 20 steps, "
                         "2 test batches of 500 per rank")
@@ -202,7 +202,7 @@ def test_data(dataset: str, seq_len: int):
     """(train length, test set, vocab size or None), cached."""
     key = (dataset, seq_len if dataset == "shakespeare" else None)
     if key not in _DATA_CACHE:
-        from horovod_adtopk import datasets
+        from examples import datasets
         if dataset == "fashion-mnist":
             train, test = datasets.load_fashion_mnist(None)
             _DATA_CACHE[key] = (len(train), test, None)
@@ -217,7 +217,7 @@ def evaluate_checkpoint(path: Path, test_set, vocab: Optional[int], world: int, 
     """Score a checkpoint's model on the test examples train.py's evaluate() would use with ``world`` ranks."""
     import torch
     import torch.nn.functional as F
-    from horovod_adtopk.models import build_model
+    from examples.models import build_model
 
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     cfg = ckpt["config"]
@@ -551,7 +551,7 @@ def make_plots(rows: List[dict], out: Path) -> Dict[str, List[str]]:
         pngs = [l.strip() for l in output.splitlines() if l.strip().endswith(".png")]
         plots[ds] = pngs
         if rc != 0:
-            print(f"warning: scripts/plot.py failed for {ds} (rc {rc}): {output.strip()[-500:]}", file=sys.stderr)
+            print(f"warning: examples/plot.py failed for {ds} (rc {rc}): {output.strip()[-500:]}", file=sys.stderr)
     return plots
 
 

@@ -4,7 +4,7 @@
 What is measured
 ----------------
 For each model (the real layer shapes of ResNet-50, VGG-16 and BERT-base from
-``horovod_adtopk.models.layer_shapes``, nothing allocated but one gradient at a time), each density
+``examples.models.layer_shapes``, nothing allocated but one gradient at a time), each density
 ratio and each compressor, every tensor that the optimizer's dense/sparse rule sends *sparse* at world
 size 2 is timed on a fixed random gradient (``torch.randn`` from a seeded generator; timing does not need
 real gradients):
@@ -113,7 +113,7 @@ def load_package(no_horovod: bool) -> Package:
         note = (f"horovod not importable ({exc.__class__.__name__}: {exc}); dense/sparse rule re-implemented "
                 "locally, no cross-check")
     return Package(importlib.import_module("horovod_adtopk.selection"), importlib.import_module("horovod_adtopk.wire"),
-                   importlib.import_module("horovod_adtopk.models"), comp, note)
+                   importlib.import_module("examples.models"), comp, note)
 
 
 # --- local re-expression of each compressor's select ---------------------------------------------------------

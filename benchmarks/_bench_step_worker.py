@@ -1,4 +1,4 @@
-"""One rank of a ``scripts/bench_step.py`` cell: ``python scripts/_bench_step_worker.py CELL.json OUT.json``.
+"""One rank of a ``benchmarks/bench_step.py`` cell: ``python benchmarks/_bench_step_worker.py CELL.json OUT.json``.
 
 Started by ``horovodrun`` (one job per (link rate, world size, model) cell). Every mode of the cell runs
 here in turn, each on a freshly built model (so no hook of an earlier optimizer stays on its parameters)
@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 import horovod.torch as hvd  # noqa: E402
 
 import horovod_adtopk as hat  # noqa: E402
-from horovod_adtopk.models import build_model  # noqa: E402
+from examples.models import build_model  # noqa: E402
 
 LSTM_VOCAB = 84
 DENSE_HVD = {"hvd-dense": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16}
