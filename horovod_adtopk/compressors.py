@@ -16,6 +16,7 @@ Per call the optimizer asks a compressor for a :class:`Selection` of the error-c
 """
 from __future__ import annotations
 
+import numbers
 import zlib
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple, Type
@@ -30,6 +31,7 @@ except ImportError:  # pragma: no cover - exercised where Horovod is absent
     NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
 from . import selection as sel
+from .memory import check_momentum
 from .wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
 
 DEFAULT_MIN_NUMEL = 1024
@@ -87,6 +89,8 @@ class Selection:
     flat: torch.Tensor  # 1-D int64 flat positions of ``values`` (for the sender's memory)
     wire_index: Optional[torch.Tensor]  # what travels as indices (None for SharedCodec)
     codec: object
+    finite: Optional[torch.Tensor] = None  # 0-d bool: nothing non-finite left the rank unsent
+    wire_values: Optional[torch.Tensor] = None  # ``values`` as they travel (scaled, wire dtype; set by the sender)
 
 
 @dataclass(frozen=True)
@@ -101,20 +105,52 @@ class TensorInfo:
 
 # --- base class ---------------------------------------------------------------------------------------------
 
+#: wire value dtypes by name (``None``: the gradient's own dtype); the scripts' ``--value-dtype`` choices
+VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                "float64": torch.float64}
+
 
 def _check_value_dtype(value_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
     if value_dtype is None:
         return None
     if isinstance(value_dtype, str):
-        value_dtype = getattr(torch, value_dtype, None) if value_dtype in ("float16", "bfloat16", "float32", "float64") else value_dtype
+        value_dtype = VALUE_DTYPES.get(value_dtype, value_dtype)
     if value_dtype not in WIRE_VALUE_DTYPES:
-        raise ValueError(f"value_dtype must be one of float16, bfloat16, float32, float64 or None (the gradient's "
+        raise ValueError(f"value_dtype must be one of {', '.join(VALUE_DTYPES)} or None (the gradient's "
                          f"dtype), got {value_dtype!r}")
     return value_dtype
 
 
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+class _RefuseStockHorovod:
+    """``compress`` / ``decompress`` of a sparse compressor, on the class or an instance: stock
+    ``hvd.DistributedOptimizer`` would allreduce (sum) the indices, so refuse with a pointer to ours."""
+
+    def __get__(self, obj, cls):
+        def refuse(*_args, **_kwargs):
+            how = (f"hat.Compression.{cls.name}(ratio=0.01)" if obj is None else repr(obj))
+            raise TypeError(
+                f"{cls.__name__} produces sparse (value, index) payloads that must be allgathered; "
+                "hvd.DistributedOptimizer would allreduce (sum) the indices and silently corrupt the gradients. "
+                f"Use horovod_adtopk.DistributedOptimizer(optimizer, named_parameters=..., compression={how}) "
+                "instead.")
+        return refuse
+
+
 class SparseCompressor(Compressor):
-    """Base of every sparse compressor. Subclasses implement :meth:`select` and :meth:`nominal_count`.
+    """Base of every sparse compressor. Subclasses implement :meth:`_select` (and :meth:`nominal_count`
+    where the payload size is not ``max(1, floor(ratio * numel))``).
 
     Args:
         ratio: target density in (0, 1].
@@ -124,48 +160,48 @@ class SparseCompressor(Compressor):
         momentum: DGC momentum correction factor (None: plain error feedback).
         hybrid: send a tensor dense when allgathering its sparse payload from every rank would move more
             bytes than a ring allreduce of the dense tensor (see :meth:`choose_path`).
+        density_warmup: rounds of exponential density warm-up (DGC): the density at round ``s`` is
+            ``density_start * (ratio / density_start) ** (s / density_warmup)``, reaching ``ratio`` at
+            round ``density_warmup``. A function of the optimizer's round counter (saved in checkpoints),
+            so identical on every rank. 0: off.
+        density_start: the density of round 0 of the warm-up (default 0.25, DGC's).
     """
 
     name = "sparse"
+    #: one line for the README table and ``--help``
+    summary = ""
     #: payloads travel by allgather (False: values are summed by allreduce, as for Random-k)
     gathers = True
+    #: the number of entries varies per rank and step (a count travels alongside)
+    variable_count = False
     #: whether 1-D tensors may be sparse (fiber rules need 2 dims; all rules follow the paper and keep
     #: biases and norms dense)
     min_dims = 2
 
+    compress = _RefuseStockHorovod()
+    decompress = _RefuseStockHorovod()
+
     def __init__(self, ratio: float, value_dtype: Optional[torch.dtype] = None, error_feedback: bool = True,
-                 min_numel: int = DEFAULT_MIN_NUMEL, momentum: Optional[float] = None, hybrid: bool = True) -> None:
+                 min_numel: int = DEFAULT_MIN_NUMEL, momentum: Optional[float] = None, hybrid: bool = True,
+                 density_warmup: int = 0, density_start: float = 0.25) -> None:
         self.ratio = sel.check_ratio(ratio)
         self.value_dtype = _check_value_dtype(value_dtype)
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
-        self.error_feedback = error_feedback
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
-        self.min_numel = min_numel
-        if momentum is not None and not error_feedback:
+        self.error_feedback = _check_bool("error_feedback", error_feedback)
+        self.min_numel = _check_int("min_numel", min_numel, 0)
+        self.momentum = check_momentum(momentum)
+        if self.momentum is not None and not error_feedback:
             raise ValueError("momentum correction needs error_feedback=True")
-        if momentum is not None and not (0.0 <= float(momentum) < 1.0):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = momentum
-        self.hybrid = bool(hybrid)
-
-    # Horovod's Compressor interface: refuse to be allreduced by stock Horovod.
-    def compress(self, tensor):  # type: ignore[override]
-        raise TypeError(
-            f"{type(self).__name__} produces sparse (value, index) payloads that must be allgathered; "
-            "hvd.DistributedOptimizer would allreduce (sum) the indices and silently corrupt the gradients. "
-            "Use horovod_adtopk.DistributedOptimizer(optimizer, named_parameters=..., compression=...) instead.")
-
-    def decompress(self, tensor, ctx):  # type: ignore[override]
-        raise TypeError(f"{type(self).__name__} can only be used with horovod_adtopk.DistributedOptimizer")
+        self.hybrid = _check_bool("hybrid", hybrid)
+        self.density_warmup = _check_int("density_warmup", density_warmup, 0)
+        self.density_start = max(sel.check_ratio(density_start), self.ratio)
 
     # --- configuration --------------------------------------------------------------------------------------
     def config(self) -> dict:
         """Every setting that must agree across ranks (checked at the first step)."""
         return {"compressor": self.name, "ratio": self.ratio, "value_dtype": str(self.value_dtype),
                 "error_feedback": self.error_feedback, "min_numel": self.min_numel,
-                "momentum": self.momentum, "hybrid": self.hybrid, **self.extra_config()}
+                "momentum": self.momentum, "hybrid": self.hybrid, "density_warmup": self.density_warmup,
+                "density_start": self.density_start, **self.extra_config()}
 
     def extra_config(self) -> dict:
         return {}
@@ -176,6 +212,12 @@ class SparseCompressor(Compressor):
 
     def wire_value_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return self.value_dtype or grad_dtype
+
+    def ratio_at(self, step: int) -> float:
+        """The density of round ``step`` (the target ``ratio`` once the density warm-up is over)."""
+        if step >= self.density_warmup or self.density_start <= self.ratio:
+            return self.ratio
+        return max(self.ratio, self.density_start * (self.ratio / self.density_start) ** (step / self.density_warmup))
 
     # --- per tensor -----------------------------------------------------------------------------------------
     def nominal_count(self, info: TensorInfo) -> int:
@@ -209,17 +251,48 @@ class SparseCompressor(Compressor):
             return False, f"allgather of {world_size} x {payload} B >= ring allreduce of {dense} B"
         return True, "sparse"
 
-    def select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        """Choose the entries of ``a`` (the error-compensated gradient of ``info.name``) to send at ``step``."""
+    def select(self, a: torch.Tensor, info: TensorInfo, step: int, grad: Optional[torch.Tensor] = None,
+               zero_sent: bool = False) -> Selection:
+        """Choose the entries of ``a`` (the error-compensated gradient of ``info.name``) to send at ``step``.
+
+        With ``grad``, ``a`` is the residual memory and ``a += grad`` happens first (fused into the
+        selection's pass where a kernel can); with ``zero_sent``, the sent entries of ``a`` are zeroed
+        afterwards (the wire carries them exactly, so nothing of them remains).
+        """
         if not a.is_floating_point():
             raise TypeError(f"{info.name}: gradient dtype {a.dtype} is not floating point; compressors select "
                             "from float16/bfloat16/float32/float64 gradients")
         if a.is_sparse:
             raise TypeError(f"{info.name}: sparse tensors are not supported; pass a dense gradient")
-        return self._select(a, info, step)
+        s = self._select_fused(a, info, step, grad, zero_sent)
+        if s.finite is None:
+            s.finite = torch.isfinite(s.values).all()
+        return s
+
+    def _select_fused(self, a: torch.Tensor, info: TensorInfo, step: int, grad: Optional[torch.Tensor],
+                      zero_sent: bool) -> Selection:
+        """Default: the add, the selection and the zeroing as separate passes (rules without a kernel)."""
+        if grad is not None:
+            a.add_(grad)
+        s = self._select(a, info, step)
+        if zero_sent:
+            a.view(-1)[s.flat] = 0
+        return s
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         raise NotImplementedError
+
+    def empty_selection(self, info: TensorInfo, step: int, device: torch.device) -> Selection:
+        """What a rank without a gradient sends: nothing (variable-size rules) or zeros at valid positions
+        of the agreed count (fixed-size rules), so the collective still matches and the sum is unchanged."""
+        if self.variable_count:
+            empty = torch.zeros(0, dtype=info.dtype, device=device)
+            s = _flat_selection(empty, torch.zeros(0, dtype=torch.int64, device=device), info.numel, None)
+        else:
+            s = self._select(torch.zeros(info.shape, dtype=info.dtype, device=device), info, step)
+            s.values = torch.zeros_like(s.values)
+        s.finite = torch.tensor(True)
+        return s
 
     # --- adaptive state (ADTopk-T) --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -238,17 +311,30 @@ def _flat_selection(values: torch.Tensor, flat: torch.Tensor, numel: int, count:
 
 # --- the rules ----------------------------------------------------------------------------------------------
 
+_REGISTRY: Dict[str, Type[SparseCompressor]] = {}
 
+
+def register(cls: Type[SparseCompressor]) -> Type[SparseCompressor]:
+    """Add a compressor class to the registry under ``cls.name`` (and to :class:`Compression`)."""
+    if cls.name in _REGISTRY or cls.name in ("none", "fp16"):
+        raise ValueError(f"a compressor named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+@register
 class ADTopkCompressor(SparseCompressor):
     """All-dimension top-k (see :mod:`horovod_adtopk.selection`). ``axis``: 0, 1 or "auto"."""
 
     name = "adtopk"
+    summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (fibers along the longer axis); "
+               "fixed size, fiber-local int16/int32 indices")
 
     def __init__(self, ratio: float, axis="auto", **kwargs) -> None:
         super().__init__(ratio, **kwargs)
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
-        self._codecs: Dict[str, FiberCodec] = {}
+        self._codecs: Dict[Tuple[str, int], FiberCodec] = {}
         # One |a| buffer per (device, dtype), as large as the largest tensor selected so far, reused by
         # every parameter (hooks run one at a time).
         self._scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
@@ -263,13 +349,15 @@ class ADTopkCompressor(SparseCompressor):
     def extra_config(self) -> dict:
         return {"axis": self.axis}
 
-    def layout(self, info: TensorInfo) -> sel.FiberLayout:
-        return sel.fiber_layout(info.shape, self.ratio, self.axis)
+    def layout(self, info: TensorInfo, ratio: Optional[float] = None) -> sel.FiberLayout:
+        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis)
 
-    def codec(self, info: TensorInfo) -> FiberCodec:
-        c = self._codecs.get(info.name)
+    def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
+        layout = self.layout(info, None if step is None else self.ratio_at(step))
+        key = (info.name, layout.k)
+        c = self._codecs.get(key)
         if c is None or c.layout.shape != info.shape:
-            c = self._codecs[info.name] = FiberCodec(self.layout(info))
+            c = self._codecs[key] = FiberCodec(layout)
         return c
 
     def nominal_count(self, info: TensorInfo) -> int:
@@ -278,20 +366,31 @@ class ADTopkCompressor(SparseCompressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(self.layout(info).fiber_len - 1)
 
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        codec = self.codec(info)
+    def _fiber_topk(self, a, codec, grad=None, zero_sent=False) -> Selection:
+        if grad is not None:
+            a.add_(grad)
         values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
         flat = codec.to_flat(local)
+        if zero_sent:
+            a.view(-1)[flat] = 0
         return Selection(values.reshape(-1), flat, local.reshape(-1), codec)
 
+    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
+        return self._fiber_topk(a, self.codec(info, step), grad, zero_sent)
 
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        return self._fiber_topk(a, self.codec(info, step))
+
+
+@register
 class TopkCompressor(SparseCompressor):
     """Exact global top-k of the flattened tensor, ``k = max(1, floor(ratio * numel))``."""
 
     name = "topk"
+    summary = "exact global top-k, `k = max(1, floor(ratio * numel))`; fixed size, flat indices"
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        k = sel.keep_count(self.ratio, info.numel)
+        k = sel.keep_count(self.ratio_at(step), info.numel)
         values, flat = sel.global_topk(a, k)
         return _flat_selection(values, flat, info.numel, k)
 
@@ -301,16 +400,23 @@ def stable_seed(*parts) -> int:
     return zlib.crc32("\x1f".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
 
+@register
 class RandomkCompressor(SparseCompressor):
     """``k`` random positions, the same on every rank (private generator seeded by seed, name and step):
-    no indices travel, and the values are summed by allreduce."""
+    no indices travel, and the values are summed by allreduce (in float32 at least, whatever
+    ``value_dtype``: a reduced value dtype only rounds each rank's values, which error feedback keeps).
+
+    Non-finite values: if ``a`` holds a NaN/Inf at a position that was not drawn, the first drawn value is
+    sent as NaN, so every rank sees a non-finite gradient this step (as with dense allreduce) and the
+    memory is scrubbed; nothing non-finite waits in the memory to surface later."""
 
     name = "randomk"
+    summary = "`k` random positions, identical on every rank (seed, name, step); values only, allreduced"
     gathers = False  # values are allreduced: the allgather term of the hybrid rule does not apply
 
     def __init__(self, ratio: float, seed: int = 0, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        self.seed = int(seed)
+        self.seed = _check_int("seed", seed, 0)
 
     def extra_config(self) -> dict:
         return {"seed": self.seed}
@@ -319,16 +425,21 @@ class RandomkCompressor(SparseCompressor):
         return None
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        k = sel.keep_count(self.ratio, info.numel)
+        k = sel.keep_count(self.ratio_at(step), info.numel)
         gen = torch.Generator(device="cpu")
         gen.manual_seed(stable_seed(self.seed, info.name, step))
         flat = sel.random_positions(info.numel, k, gen, a.device)
         values = a.reshape(-1)[flat]
-        return Selection(values, flat, None, SharedCodec(flat))
+        finite = torch.isfinite(a).all()
+        if not bool(finite):
+            values[0] = float("nan")
+        return Selection(values, flat, None, SharedCodec(flat), finite=finite)
 
 
 class _ThresholdCompressor(SparseCompressor):
     """Variable-size rules: keep ``|a| >= t`` with ``t`` from :meth:`threshold`."""
+
+    variable_count = True
 
     def threshold(self, a: torch.Tensor, mag: torch.Tensor, info: TensorInfo, step: int) -> float:
         raise NotImplementedError
@@ -340,6 +451,7 @@ class _ThresholdCompressor(SparseCompressor):
         return _flat_selection(values, flat, info.numel, None)
 
 
+@register
 class DGCCompressor(_ThresholdCompressor):
     """DGC (Lin et al. 2018): threshold from a ~1% random sample of ``|a|``; when the count misses
     ``k`` by more than 25% the threshold is corrected (at most 3 extra passes), and when it selects more
@@ -348,23 +460,27 @@ class DGCCompressor(_ThresholdCompressor):
     masking."""
 
     name = "dgc"
+    summary = ("threshold from a 1% sample of `|a|`, corrected; hierarchical top-k when over; `momentum=` for "
+               "momentum correction; variable size")
 
     def __init__(self, ratio: float, sample_fraction: float = 0.01, seed: int = 0, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        if not (0.0 < sample_fraction <= 1.0):
+        if isinstance(sample_fraction, bool) or not isinstance(sample_fraction, numbers.Real) \
+                or not (0.0 < sample_fraction <= 1.0):
             raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
         self.sample_fraction = float(sample_fraction)
-        self.seed = int(seed)
+        self.seed = _check_int("seed", seed, 0)
 
     def extra_config(self) -> dict:
         return {"sample_fraction": self.sample_fraction, "seed": self.seed}
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        k = sel.keep_count(self.ratio, info.numel)
+        ratio = self.ratio_at(step)
+        k = sel.keep_count(ratio, info.numel)
         mag = a.reshape(-1).abs()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(stable_seed("dgc", self.seed, info.name, step))
-        t = sel.dgc_threshold(mag, self.ratio, gen, self.sample_fraction)
+        t = sel.dgc_threshold(mag, ratio, gen, self.sample_fraction)
         t = sel.refine_threshold(mag, t, k, max_iters=3)
         values, flat = sel.threshold_select(a, t)
         if flat.numel() > 1.25 * k:
@@ -375,60 +491,68 @@ class DGCCompressor(_ThresholdCompressor):
         return _flat_selection(values, flat, info.numel, None)
 
 
+@register
 class GaussiankCompressor(_ThresholdCompressor):
     """Gaussian-k (Shi et al. 2019): normal fit, then up to 5 bracketed corrections toward ``k``."""
 
     name = "gaussiank"
+    summary = "normal fit `|mu| + sigma * Phi^-1(1 - ratio/2)`, corrected; variable size"
 
     def threshold(self, a, mag, info, step):
-        k = sel.keep_count(self.ratio, info.numel)
-        return sel.refine_threshold(mag, sel.gaussian_threshold(a, self.ratio), k, max_iters=5)
+        ratio = self.ratio_at(step)
+        k = sel.keep_count(ratio, info.numel)
+        return sel.refine_threshold(mag, sel.gaussian_threshold(a, ratio), k, max_iters=5)
 
 
+@register
 class RedSyncCompressor(_ThresholdCompressor):
     """RedSync (Fang et al. 2019): binary search between mean and max of ``|a|``."""
 
     name = "redsync"
+    summary = "binary search of `mean + r (max - mean)`; variable size"
 
     def threshold(self, a, mag, info, step):
-        return sel.redsync_threshold(mag, sel.keep_count(self.ratio, info.numel))
+        return sel.redsync_threshold(mag, sel.keep_count(self.ratio_at(step), info.numel))
 
 
+@register
 class SIDCoCompressor(_ThresholdCompressor):
     """SIDCo (Abdelmoniem et al. 2021): multi-stage exponential (or gamma / gpareto) tail fit, then up
     to 4 bracketed corrections toward ``k``."""
 
     name = "sidco"
+    summary = "multi-stage exponential (or `gamma`, `gpareto`) tail fit, corrected; variable size"
 
     def __init__(self, ratio: float, stages: int = 2, distribution: str = "exponential", **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        if distribution not in ("exponential", "gamma", "gpareto"):
-            raise ValueError(f"distribution must be 'exponential', 'gamma' or 'gpareto', got {distribution!r}")
-        if int(stages) < 1:
-            raise ValueError(f"stages must be >= 1, got {stages!r}")
-        self.stages, self.distribution = int(stages), distribution
+        if distribution not in sel.SIDCO_DISTRIBUTIONS:
+            raise ValueError(f"distribution must be one of {', '.join(sel.SIDCO_DISTRIBUTIONS)}, got {distribution!r}")
+        self.stages, self.distribution = _check_int("stages", stages, 1), distribution
 
     def extra_config(self) -> dict:
         return {"stages": self.stages, "distribution": self.distribution}
 
     def threshold(self, a, mag, info, step):
-        k = sel.keep_count(self.ratio, info.numel)
-        t = sel.sidco_threshold(mag, self.ratio, self.stages, self.distribution)
+        ratio = self.ratio_at(step)
+        k = sel.keep_count(ratio, info.numel)
+        t = sel.sidco_threshold(mag, ratio, self.stages, self.distribution)
         return sel.refine_threshold(mag, t, k, max_iters=4)
 
 
+@register
 class ThresholdCompressor(_ThresholdCompressor):
     """Fixed threshold: send every entry with ``|a| >= threshold``. ``ratio`` only sizes the hybrid
     rule's estimate of the payload (default 0.01)."""
 
     name = "threshold"
+    summary = "`|a| >= threshold` (you give it); variable size"
 
     def __init__(self, threshold: float, ratio: float = 0.01, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        t = float(threshold)
-        if not (t >= 0.0) or t == float("inf"):
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
+                or not (0.0 <= float(threshold) < float("inf")):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-        self.fixed_threshold = t
+        self.fixed_threshold = float(threshold)
 
     def extra_config(self) -> dict:
         return {"threshold": self.fixed_threshold}
@@ -437,6 +561,7 @@ class ThresholdCompressor(_ThresholdCompressor):
         return self.fixed_threshold
 
 
+@register
 class ADTopkICompressor(ADTopkCompressor):
     """ADTopk-I (interleaved): on step ``s`` a parameter uses all-dimension top-k when
     ``s % period == 0`` and exact global top-k otherwise (period 2: they alternate, ADTopk first, as in
@@ -444,12 +569,12 @@ class ADTopkICompressor(ADTopkCompressor):
     resumed run continues the same schedule."""
 
     name = "adtopk_i"
+    summary = ("ADTopk-I: step `s` uses ADTopk when `s % period == 0`, exact global top-k otherwise "
+               "(`period=2`); fixed size per step")
 
     def __init__(self, ratio: float, period: int = 2, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"period must be an int >= 1, got {period!r}")
-        self.period = period
+        self.period = _check_int("period", period, 1)
 
     def extra_config(self) -> dict:
         return {"axis": self.axis, "period": self.period}
@@ -463,14 +588,20 @@ class ADTopkICompressor(ADTopkCompressor):
     def uses_adtopk(self, step: int) -> bool:
         return step % self.period == 0
 
+    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
+        if self.uses_adtopk(step):
+            return super()._select_fused(a, info, step, grad, zero_sent)
+        return SparseCompressor._select_fused(self, a, info, step, grad, zero_sent)
+
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         if self.uses_adtopk(step):
             return super()._select(a, info, step)
-        k = sel.keep_count(self.ratio, info.numel)
+        k = sel.keep_count(self.ratio_at(step), info.numel)
         values, flat = sel.global_topk(a, k)
         return _flat_selection(values, flat, info.numel, k)
 
 
+@register
 class ADTopkTCompressor(ADTopkCompressor):
     """ADTopk-T (threshold-estimated ADTopk).
 
@@ -486,15 +617,19 @@ class ADTopkTCompressor(ADTopkCompressor):
     """
 
     name = "adtopk_t"
+    summary = ("ADTopk-T: exact ADTopk every `tau` steps records per-fiber thresholds; in between "
+               "`|a| >= theta_fiber`; variable size")
+    variable_count = True
 
     def __init__(self, ratio: float, tau_min: int = 1, tau_max: int = 16, tolerance: float = 0.1,
                  warmup: int = 2, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
-        if not (1 <= int(tau_min) <= int(tau_max)):
+        self.tau_min, self.tau_max = _check_int("tau_min", tau_min, 1), _check_int("tau_max", tau_max, 1)
+        if self.tau_min > self.tau_max:
             raise ValueError(f"need 1 <= tau_min <= tau_max, got tau_min={tau_min!r}, tau_max={tau_max!r}")
-        if not tolerance > 0:
-            raise ValueError(f"tolerance must be > 0, got {tolerance!r}")
-        self.tau_min, self.tau_max, self.tolerance, self.warmup = int(tau_min), int(tau_max), float(tolerance), int(warmup)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance > 0:
+            raise ValueError(f"tolerance must be a number > 0, got {tolerance!r}")
+        self.tolerance, self.warmup = float(tolerance), _check_int("warmup", warmup, 0)
         self._state: Dict[str, dict] = {}
 
     def extra_config(self) -> dict:
@@ -504,10 +639,14 @@ class ADTopkTCompressor(ADTopkCompressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(info.numel - 1)
 
+    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
+        return SparseCompressor._select_fused(self, a, info, step, grad, zero_sent)
+
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        codec = self.codec(info)
+        codec = self.codec(info, step)
         st = self._state.get(info.name)
-        exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"]
+        exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"] or \
+            st["theta"].numel() != codec.layout.num_fibers
         if not exact:
             st["since"] += 1
             values, flat = sel.fiber_threshold_select(a, codec.layout, st["theta"].to(a.device))
@@ -515,7 +654,7 @@ class ADTopkTCompressor(ADTopkCompressor):
         values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
         theta = values.abs().amin(dim=1).detach().to(torch.float64)
         theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
-        if st is None:
+        if st is None or st["theta"].numel() != theta.numel():
             st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta}
         else:
             old = st["theta"].to(theta.device)
@@ -539,16 +678,24 @@ class ADTopkTCompressor(ADTopkCompressor):
 
 # --- registry -------------------------------------------------------------------------------------------------
 
-_REGISTRY: Dict[str, Type[SparseCompressor]] = {
-    cls.name: cls for cls in (ADTopkCompressor, ADTopkICompressor, ADTopkTCompressor, TopkCompressor,
-                              RandomkCompressor, DGCCompressor, GaussiankCompressor, RedSyncCompressor,
-                              SIDCoCompressor, ThresholdCompressor)
-}
 _DENSE = {"none": NoneCompressor, "fp16": FP16Compressor}
 
 
-class Compression:
-    """Namespace of compressors, like ``horovod.torch.Compression``.
+class _CompressionNamespace(type):
+    def __getattr__(cls, name):
+        try:
+            return _REGISTRY[name]
+        except KeyError:
+            raise AttributeError(f"Compression has no compressor {name!r}; choose one of "
+                                 f"{', '.join(Compression.names())}") from None
+
+    def __dir__(cls):
+        return sorted(set(super().__dir__()) | set(_REGISTRY))
+
+
+class Compression(metaclass=_CompressionNamespace):
+    """Namespace of compressors, like ``horovod.torch.Compression``; every registered compressor (see
+    :func:`register`) is an attribute.
 
     ``Compression.none`` / ``Compression.fp16`` are Horovod's dense compressors (use them as they are);
     every other attribute is a sparse compressor class: ``Compression.adtopk(ratio=0.01)``.
@@ -556,21 +703,25 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
-    adtopk = ADTopkCompressor
-    adtopk_i = ADTopkICompressor
-    adtopk_t = ADTopkTCompressor
-    topk = TopkCompressor
-    randomk = RandomkCompressor
-    dgc = DGCCompressor
-    gaussiank = GaussiankCompressor
-    redsync = RedSyncCompressor
-    sidco = SIDCoCompressor
-    threshold = ThresholdCompressor
 
     @staticmethod
     def names() -> list:
         """Every registered name, dense ones first."""
         return list(_DENSE) + sorted(_REGISTRY)
+
+    @staticmethod
+    def sparse_names() -> list:
+        return sorted(_REGISTRY)
+
+    @staticmethod
+    def is_dense_name(name: str) -> bool:
+        return str(name).lower() in _DENSE
+
+    @staticmethod
+    def summaries() -> Dict[str, str]:
+        """``name -> one-line description`` of every sparse compressor (the README table is checked
+        against it)."""
+        return {name: _REGISTRY[name].summary for name in sorted(_REGISTRY)}
 
     @staticmethod
     def get(name: str, **kwargs):
@@ -583,6 +734,8 @@ class Compression:
             extra = {k: v for k, v in kwargs.items() if v is not None}
             if extra:
                 raise ValueError(f"compressor {name!r} is dense and takes no arguments, got {sorted(extra)}")
+            if _DENSE[key] is None:
+                raise ImportError(f"compressor {name!r} is Horovod's own; install Horovod to use it")
             return _DENSE[key]
         cls = _REGISTRY.get(key)
         if cls is None:
@@ -592,4 +745,3 @@ class Compression:
 
 def is_sparse(compression) -> bool:
     return isinstance(compression, SparseCompressor)
-

@@ -26,18 +26,31 @@ The memory is all tensors and plain dicts: :meth:`state_dict` round-trips throug
 """
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Optional
 
 import torch
+
+
+def check_momentum(momentum) -> Optional[float]:
+    """``None`` or a number in [0, 1) (the one place the momentum range is defined)."""
+    if momentum is None:
+        return None
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not (0.0 <= float(momentum) < 1.0):
+        raise ValueError(f"momentum must be None or a number in [0, 1), got {momentum!r}")
+    return float(momentum)
+
+
+def _fresh(g: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy: memory tensors are flat-indexable whatever the gradient's layout (channels_last)."""
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 class ErrorFeedback:
     """Residual memory for the parameters of one rank; ``momentum=None`` gives plain error feedback."""
 
     def __init__(self, momentum: Optional[float] = None) -> None:
-        if momentum is not None and not (0.0 <= float(momentum) < 1.0):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = None if momentum is None else float(momentum)
+        self.momentum = check_momentum(momentum)
         self.residuals: Dict[str, torch.Tensor] = {}
         self.velocities: Dict[str, torch.Tensor] = {}
 
@@ -48,15 +61,23 @@ class ErrorFeedback:
         if self.momentum is not None:
             u = self.velocities.get(name)
             if u is None:
-                u = self.velocities[name] = g.clone()
+                u = self.velocities[name] = _fresh(g)
             else:
                 u.mul_(self.momentum).add_(g)
             g = u
         r = self.residuals.get(name)
         if r is None:
-            r = self.residuals[name] = g.clone()
+            r = self.residuals[name] = _fresh(g)
         else:
             r.add_(g)
+        return r
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The residual of ``name`` (zeros the first time), for kernels that add the gradient themselves
+        (plain error feedback only)."""
+        r = self.residuals.get(name)
+        if r is None:
+            r = self.residuals[name] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
         return r
 
     def update(self, name: str, flat_index: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -89,10 +110,25 @@ class ErrorFeedback:
                 "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
                 "velocities": {k: v.detach().clone() for k, v in self.velocities.items()}}
 
-    def load_state_dict(self, state: dict, device_of: Optional[Dict[str, torch.device]] = None) -> None:
+    def load_state_dict(self, state: dict, device_of: Optional[Dict[str, torch.device]] = None,
+                        shapes: Optional[Dict[str, tuple]] = None) -> None:
+        """Restore residuals (and velocities). ``shapes`` (name -> shape), when given, is checked first: a
+        memory that does not fit the model is refused here rather than failing at the next step."""
+        if shapes is not None:
+            for store in ("residuals", "velocities"):
+                for k, v in state.get(store, {}).items():
+                    if k not in shapes:
+                        raise ValueError(f"error-feedback memory for {k!r} in the state dict, but the optimizer has "
+                                         "no such (trainable) parameter: the checkpoint belongs to another model")
+                    if tuple(v.shape) != tuple(shapes[k]):
+                        raise ValueError(f"error-feedback memory for {k!r} has shape {tuple(v.shape)}, but the "
+                                         f"parameter has shape {tuple(shapes[k])}: the checkpoint belongs to another "
+                                         "model")
+
         def place(name: str, t: torch.Tensor) -> torch.Tensor:
             dev = device_of.get(name) if device_of else None
-            return t.detach().clone() if dev is None else t.detach().to(dev, copy=True)
+            t = t.detach().contiguous()
+            return t.clone() if dev is None else t.to(dev, copy=True)
 
         self.residuals = {k: place(k, v) for k, v in state.get("residuals", {}).items()}
         self.velocities = {k: place(k, v) for k, v in state.get("velocities", {}).items()}

@@ -20,7 +20,7 @@ independent partial sorts instead of one large one.
 ``(cout, kh, kw)``, and for the first conv (``Cin=3``) ``k >= 1`` inflates the density to 33%. Viewing
 ``[d0, -1]`` gives fibers of length ``Cin*kh*kw``, and picking the longer axis keeps an embedding
 ``[V, E]`` from sending ``k`` entries for every vocabulary row (it sends per embedding column instead).
-Both keep the effective density close to ``ratio``; :func:`effective_density` reports it.
+Both keep the effective density close to ``ratio``; ``opt.stats()`` reports it per tensor.
 
 Global top-k keeps ``k = max(1, floor(ratio * numel))`` entries of the flattened tensor. Threshold rules
 keep ``|a| >= t`` with ``t`` estimated per call (DGC, Gaussian-k, RedSync, SIDCo) or given (threshold);
@@ -33,6 +33,7 @@ aggregated gradient then carries the NaN/Inf to the user's code, as a dense allr
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -43,10 +44,9 @@ Axis = Union[int, str]
 
 def check_ratio(ratio: float) -> float:
     """Validate a density ``ratio`` in (0, 1]; return it as float."""
-    try:
-        value = float(ratio)
-    except (TypeError, ValueError):
-        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}") from None
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+        raise ValueError(f"ratio must be a number in (0, 1] (e.g. 0.01), got {ratio!r}")
+    value = float(ratio)
     if not (0.0 < value <= 1.0):  # also rejects NaN
         raise ValueError(f"ratio must be in (0, 1] (e.g. 0.01 keeps 1% of each fiber), got {ratio!r}")
     return value
@@ -123,10 +123,6 @@ def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto") -> F
     fiber_len = cols if ax == 1 else rows
     return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(check_ratio(ratio), fiber_len))
 
-
-def effective_density(layout: FiberLayout) -> float:
-    """Fraction of the tensor's entries that all-dimension top-k sends (>= ratio because of ``k >= 1``)."""
-    return layout.count / layout.numel if layout.numel else 0.0
 
 
 #: Pruned selection splits every fiber into this many interleaved groups (see :func:`pruned_topk`).
@@ -374,6 +370,10 @@ def redsync_threshold(mag: torch.Tensor, k: int, max_iters: int = 20, tolerance:
     return float(t)
 
 
+#: the tail models SIDCo can fit
+SIDCO_DISTRIBUTIONS = ("exponential", "gamma", "gpareto")
+
+
 def sidco_threshold(mag: torch.Tensor, ratio: float, stages: int = 2, distribution: str = "exponential") -> float:
     """SIDCo (Abdelmoniem et al., MLSys 2021): multi-stage fit of the tail of ``|a|``.
 
@@ -384,8 +384,8 @@ def sidco_threshold(mag: torch.Tensor, ratio: float, stages: int = 2, distributi
     - gamma: method-of-moments shape/scale, tail by a Wilson-Hilferty normal approximation.
     - gpareto: method-of-moments generalized Pareto; ``t += sigma / xi * (q ** -xi - 1)``.
     """
-    if distribution not in ("exponential", "gamma", "gpareto"):
-        raise ValueError(f"distribution must be 'exponential', 'gamma' or 'gpareto', got {distribution!r}")
+    if distribution not in SIDCO_DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {', '.join(SIDCO_DISTRIBUTIONS)}, got {distribution!r}")
     x = _finite(mag)
     q = ratio ** (1.0 / stages)
     t = 0.0

@@ -1,7 +1,8 @@
 """Counters of what the optimizer moved, exposed through ``opt.stats()``.
 
 Bytes are what this rank hands to a collective (its payload), counted in one place (:meth:`Stats.record`):
-for a sparse tensor ``n * entry_bytes`` (plus 8 bytes of count for variable-size payloads), for a dense
+for a sparse tensor the payload's bytes (plus ``wire.COUNT_BYTES`` for variable-size payloads; both
+counted by :mod:`horovod_adtopk.wire`), for a dense
 tensor ``numel * element_size`` of the dtype that is allreduced. ``bytes_dense`` is what a plain fp32
 allreduce of the same gradients would hand over (``4 * numel``), the baseline of "bytes sent vs dense".
 """
@@ -19,6 +20,8 @@ class TensorStats:
     elements_sent: int = 0
     elements_total: int = 0
     bytes_sent: int = 0
+    compress_seconds: float = 0.0
+    decompress_seconds: float = 0.0
 
     @property
     def density(self) -> float:
@@ -51,6 +54,16 @@ class Stats:
         self.bytes_sent += bytes_sent
         self.bytes_dense += 4 * numel
 
+    def add_seconds(self, name: str, which: int, seconds: float) -> None:
+        """Compression (``which=0``) or decompression (1) time spent on ``name``."""
+        t = self.tensors.setdefault(name, TensorStats())
+        if which == 0:
+            t.compress_seconds += seconds
+            self.compress_seconds += seconds
+        else:
+            t.decompress_seconds += seconds
+            self.decompress_seconds += seconds
+
     def as_dict(self) -> dict:
         return {
             "steps": self.steps,
@@ -64,6 +77,7 @@ class Stats:
             "decompress_seconds": self.decompress_seconds,
             "nonfinite_steps": self.nonfinite_steps,
             "tensors": {name: {"path": t.path, "reason": t.reason, "numel": t.numel, "density": t.density,
-                               "bytes_sent": t.bytes_sent}
+                               "bytes_sent": t.bytes_sent, "compress_seconds": t.compress_seconds,
+                               "decompress_seconds": t.decompress_seconds}
                         for name, t in sorted(self.tensors.items())},
         }

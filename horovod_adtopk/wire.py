@@ -27,6 +27,10 @@ import torch
 
 WIRE_VALUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ALIGN = 8
+#: bytes of the count a variable-size payload sends alongside (one int64 allgather)
+COUNT_BYTES = 8
+#: largest finite float16; larger finite values are clamped to it on a float16 wire
+FP16_MAX = 65504.0
 
 
 def index_dtype_for(max_index: int) -> torch.dtype:
