@@ -85,6 +85,7 @@ class SlurmCluster:
         d = self.dir
         for sub in ("munge", "state", "spool", "log", "run"):
             (d / sub).mkdir(mode=0o700)
+        (d / "spool" / "slurmd").mkdir(mode=0o755)
         os.chmod(d, 0o711)  # munged wants its socket's directories searchable by everyone
         os.chmod(d / "munge", 0o711)
         key = d / "munge" / "munge.key"
@@ -108,9 +109,9 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/slurmd-%n
+SlurmdSpoolDir={d}/spool/slurmd
 SlurmctldPidFile={d}/run/slurmctld.pid
-SlurmdPidFile={d}/run/slurmd-%n.pid
+SlurmdPidFile={d}/run/slurmd.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd.log
 SlurmctldDebug=info
@@ -127,6 +128,7 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
+MailProg=/bin/true
 ReturnToService=2
 SlurmdTimeout=300
 InactiveLimit=0
