@@ -275,9 +275,10 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def _leftover_job_pids(self) -> List[int]:
         """Processes that carry this cluster's SLURM_CONF (job scripts, srun, ranks, slurmstepd)."""
-        if self.dir is None:
+        conf = getattr(self, "conf", None)
+        if self.dir is None or conf is None:
             return []
-        marker = f"SLURM_CONF={self.conf}".encode()
+        marker = f"SLURM_CONF={conf}".encode()
         tmp = str(self.dir).encode()
         mine = {os.getpid()} | {p.pid for p in self.procs.values()}
         pids = []
