@@ -1,5 +1,7 @@
 """One rank of a ``benchmarks/bench_step.py`` cell: ``python benchmarks/_bench_step_worker.py CELL.json OUT.json``.
 
+Not run by hand: ``bench_step.py`` writes CELL.json and launches this under ``horovodrun``.
+
 Started by ``horovodrun`` (one job per (link rate, world size, model) cell). Every mode of the cell runs
 here in turn, each on a freshly built model (so no hook of an earlier optimizer stays on its parameters)
 whose parameter names carry the mode's index, so that no two modes ever share a Horovod tensor name:
@@ -30,16 +32,14 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
+import torch.nn.functional as F
+import horovod.torch as hvd
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import horovod.torch as hvd  # noqa: E402
+import horovod_adtopk as hat
+import common  # benchmarks/common.py: this script's directory is on the path
 
-import horovod_adtopk as hat  # noqa: E402
-from examples.models import build_model  # noqa: E402
+build_model = common.load_example("models").build_model
 
 LSTM_VOCAB = 84
 DENSE_HVD = {"hvd-dense": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16}

@@ -1,20 +1,26 @@
 #!/usr/bin/env python
 """Time gradient compression (select + cast + pack) and decompression (unpack + aggregate) per tensor.
 
+How to run (from the repository root, with the package installed: ``pip install -e .``; BERT-base's
+shapes need ``pip install transformers``)::
+
+    python benchmarks/bench_compress.py --quick                      # < 1 minute on one core
+    python benchmarks/bench_compress.py --models vgg16 --compressors adtopk topk --repeats 3
+    python benchmarks/bench_compress.py                              # every model, compressor, ratio
+
 What is measured
 ----------------
-For each model (the real layer shapes of ResNet-50, VGG-16 and BERT-base from
-``examples.models.layer_shapes``, nothing allocated but one gradient at a time), each density
-ratio and each compressor, every tensor that the optimizer's dense/sparse rule sends *sparse* at world
-size 2 is timed on a fixed random gradient (``torch.randn`` from a seeded generator; timing does not need
-real gradients):
+For each model (the real layer shapes of ResNet-50, VGG-16 and BERT-base from ``common.model_shapes``,
+nothing allocated but one gradient at a time), each density ratio and each compressor, every tensor that
+the compressor's ``choose_path(info, 2)`` sends *sparse* at world size 2 is timed on a fixed random
+gradient (``torch.randn`` from a seeded generator; timing does not need real gradients):
 
-(a) compress + pack: the compressor's selection, the cast of the values to the wire dtype and
-    ``horovod_adtopk.wire.pack`` into the one ``uint8`` payload the optimizer sends;
+(a) compress + pack: ``compressor.select`` of the package's compressor
+    (``horovod_adtopk.compressors.Compression.get(name, ratio=...)``), the cast of the values to the wire
+    dtype and ``horovod_adtopk.wire.pack`` into the one ``uint8`` payload the optimizer sends;
 (b) unpack + aggregate for 2 ranks: the payload concatenated twice stands in for an allgather from two
-    ranks; then ``wire.unpack``, flat positions from the codec, ``zeros`` + ``index_add_`` and the 1/W
-    average, as ``horovod_adtopk.optimizer`` does it (Random-k: the allreduced values are scattered to
-    their shared positions).
+    ranks; then ``horovod_adtopk.exchange.aggregate_blocks`` (the optimizer's own unpack, flat positions,
+    ``index_add_`` and 1/W average; Random-k: the allreduced values scattered to their shared positions).
 
 Beside each tensor, with the same gradient:
 
@@ -29,27 +35,21 @@ Totals per model are sums over the compressor's sparse tensors, with the floor a
 over the same tensors; the table shows method/floor and global_topk/method.
 
 Rules with several kinds of steps report a per-step average: ADTopk-I alternates all-dimension top-k
-and global top-k (weights 1/2, 1/2); ADTopk-T runs one exact step and ``tau - 1`` per-fiber threshold
-steps (``--tau``, default 16 = its ``tau_max``, the steady state when thresholds are stable, as on a
-fixed gradient). Each phase is also reported on its own in the JSON.
-
-How the compressors are called
-------------------------------
-``horovod_adtopk/compressors.py`` imports Horovod, and so does the package's ``__init__``. To run on a
-machine without Horovod (e.g. a CUDA box) this script loads ``horovod_adtopk.selection``, ``.wire`` and
-``.models`` without the package ``__init__`` when ``import horovod`` fails, and always times a local
-re-expression of each compressor's ``select`` built from the ``horovod_adtopk.selection`` functions
-(same functions, same order, same seeds). When Horovod is importable the script also (i) takes the
-dense/sparse decision from ``Compression.get(name, ratio=r).choose_path(info, 2)`` and checks the local
-rule agrees, and (ii) checks on one tensor per model that each local rule selects exactly the entries
-the package compressor selects. ``--no-horovod`` forces the Horovod-free path.
+(step 0) and global top-k (step 1) (weights 1/2, 1/2); ADTopk-T runs one exact step and ``tau - 1``
+per-fiber threshold steps (``--tau``, default 16 = its ``tau_max``, the steady state when thresholds are
+stable, as on a fixed gradient). The two ADTopk-T phases are timed on two package compressors whose tau
+is pinned: ``tau_min = tau_max = 1`` (every step exact, with the tau update's statistic) and
+``tau_min = tau_max = 2**30`` (after the first, exact, call every step is a threshold step). Each phase is
+also reported on its own in the JSON. ``threshold`` (not in the default list) is the package's fixed
+threshold rule, set per tensor to the exact k-th magnitude.
 
 Wire-format check
 -----------------
 For ADTopk at ratio 0.01 on the biggest few sparse tensors (``--wire-tensors``) the script times the
-selection, packing into one ``uint8`` block per rank (``wire.pack``: values, indices, 8-byte padding) and the
-alternative of two separate tensors (values cast, indices cast), and the matching unpack of a two-rank
-gather, so that the claim "packing costs a few % of selection" can be checked.
+selection, packing into one ``uint8`` block per rank (``wire.pack``: values, indices, 8-byte padding) and
+two alternatives the package does not ship (one ``[value | index]`` row per entry; values and indices as
+two tensors), and the matching unpack of a two-rank gather, so that the claim "packing costs a few % of
+selection" can be checked.
 
 Output: a fixed-width table on stdout and a JSON file (``--out``) with the machine (CPU model, threads,
 torch version), the settings and every number.
@@ -57,83 +57,30 @@ torch version), the settings and every number.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
-import types
-import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import common
+from horovod_adtopk import wire
+from horovod_adtopk.compressors import Compression, Selection, SharedCodec, TensorInfo
+from horovod_adtopk.exchange import aggregate_blocks
+
 ALL_COMPRESSORS = ("adtopk", "adtopk_i", "adtopk_t", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco")
 EXTRA_COMPRESSORS = ("threshold",)  # fixed threshold, set to the exact k-th magnitude of each tensor
 ALL_MODELS = ("resnet50", "vgg16", "bert-base")
 QUICK_MAX_NUMEL = 1 << 22
 WORLD = 2
-MIN_NUMEL = 1024  # horovod_adtopk.compressors.DEFAULT_MIN_NUMEL (used only when Horovod is missing)
+PINNED_TAU = 1 << 30  # ADTopk-T with tau pinned this high: every step after the first is a threshold step
+STEP = 2  # the step timed for ADTopk-T (>= its warmup of 2 exact steps); other rules use their phase's step
 
 
-# --- loading the package with or without Horovod ----------------------------------------------------------
-
-
-@dataclass
-class Package:
-    sel: types.ModuleType
-    wire: types.ModuleType
-    models: types.ModuleType
-    compressors: Optional[types.ModuleType]  # None when Horovod cannot be imported
-    note: str
-
-
-def load_package(no_horovod: bool) -> Package:
-    """Import the selection / wire / models modules; the compressor classes only if Horovod imports."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    if no_horovod:
-        sys.modules["horovod"] = None  # type: ignore[assignment]  # makes `import horovod` fail
-    try:
-        comp = importlib.import_module("horovod_adtopk.compressors")
-        note = "horovod importable: dense/sparse rule from Compression.choose_path, selections cross-checked"
-    except ImportError as exc:
-        if (getattr(exc, "name", "") or "").startswith("horovod_adtopk"):
-            raise
-        # horovod_adtopk's selection, wire and models modules need no Horovod (the package imports
-        # Horovod only for Compression / DistributedOptimizer, lazily).
-        comp = None
-        note = (f"horovod not importable ({exc.__class__.__name__}: {exc}); dense/sparse rule re-implemented "
-                "locally, no cross-check")
-    return Package(importlib.import_module("horovod_adtopk.selection"), importlib.import_module("horovod_adtopk.wire"),
-                   importlib.import_module("examples.models"), comp, note)
-
-
-# --- local re-expression of each compressor's select ---------------------------------------------------------
-
-
-def stable_seed(*parts: Any) -> int:
-    """Same as horovod_adtopk.compressors.stable_seed (crc32 of the parts), so seeds match the package."""
-    return zlib.crc32("\x1f".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
-
-
-@dataclass
-class Picked:
-    """One rank's selection: what the optimizer gets from ``compressor.select``."""
-
-    values: torch.Tensor  # 1-D signed, gradient dtype
-    flat: torch.Tensor  # 1-D int64 flat positions
-    wire_index: Optional[torch.Tensor]  # None: positions shared by every rank (values allreduced)
-    index_dtype: Optional[torch.dtype]
-    count: Optional[int]  # fixed entries per rank, None = variable
-    to_flat: Callable[[torch.Tensor], torch.Tensor]
+# --- the package's compressors, one per (ratio, name, phase) -------------------------------------------------------
 
 
 @dataclass
@@ -143,151 +90,31 @@ class Phase:
     weight: float
 
 
-def _identity_flat(idx: torch.Tensor) -> torch.Tensor:
-    return idx.to(torch.int64)
+def phases(name: str, tau: int) -> List[Phase]:
+    if name == "adtopk_i":
+        return [Phase("adtopk", 0, 0.5), Phase("topk", 1, 0.5)]
+    if name == "adtopk_t":
+        return [Phase("exact", STEP, 1.0 / tau), Phase("threshold", STEP, (tau - 1.0) / tau)]
+    return [Phase("step", 0, 1.0)]
 
 
-class Rule:
-    """A compressor's selection built from ``horovod_adtopk.selection`` (``select`` is what gets timed)."""
+def make_compressor(name: str, ratio: float, vdt: torch.dtype, phase: str = "step", seed: int = 0,
+                    threshold: float = 0.0):
+    """``Compression.get`` with the benchmark's settings; ADTopk-T's tau pinned for the phase timed."""
+    kwargs: Dict[str, Any] = {"ratio": ratio, "value_dtype": vdt}
+    if name in ("randomk", "dgc"):
+        kwargs["seed"] = seed
+    if name == "adtopk_t":
+        pin = 1 if phase == "exact" else PINNED_TAU
+        kwargs.update(tau_min=pin, tau_max=pin)
+    if name == "threshold":
+        kwargs["threshold"] = threshold
+    return Compression.get(name, **kwargs)
 
-    def __init__(self, pkg: Package, name: str, ratio: float, tau: int = 16, seed: int = 0, axis: Any = "auto") -> None:
-        self.pkg, self.sel, self.name, self.ratio, self.tau, self.seed, self.axis = pkg, pkg.sel, name, ratio, tau, seed, axis
 
-    # -- static facts --------------------------------------------------------------------------------------
-    def phases(self) -> List[Phase]:
-        if self.name == "adtopk_i":
-            return [Phase("adtopk", 0, 0.5), Phase("topk", 1, 0.5)]
-        if self.name == "adtopk_t":
-            return [Phase("exact", 0, 1.0 / self.tau), Phase("threshold", 1, (self.tau - 1.0) / self.tau)]
-        return [Phase("step", 0, 1.0)]
-
-    def nominal(self, shape: Tuple[int, ...], numel: int) -> Tuple[int, Optional[torch.dtype]]:
-        """(entries per rank, index dtype) that the package's ``choose_path`` prices."""
-        idt_flat = self.pkg.wire.index_dtype_for(numel - 1)
-        k = self.sel.keep_count(self.ratio, numel)
-        if self.name in ("adtopk", "adtopk_i", "adtopk_t"):
-            lay = self.sel.fiber_layout(shape, self.ratio, self.axis)
-            if self.name == "adtopk":
-                return lay.count, self.pkg.wire.index_dtype_for(lay.fiber_len - 1)
-            if self.name == "adtopk_i":
-                return max(lay.count, k), idt_flat
-            return lay.count, idt_flat
-        if self.name == "randomk":
-            return k, None
-        return k, idt_flat
-
-    def choose_path(self, shape: Tuple[int, ...], numel: int, world: int, value_bytes: int) -> Tuple[bool, str]:
-        """Re-implementation of ``SparseCompressor.choose_path`` (fp32 gradients)."""
-        if len(shape) < 2:
-            return False, f"{len(shape)}-D tensor"
-        if numel < MIN_NUMEL:
-            return False, f"numel {numel} < min_numel {MIN_NUMEL}"
-        count, idt = self.nominal(shape, numel)
-        ib = 0 if idt is None else self.pkg.wire.dtype_bytes(idt)
-        payload, dense = count * (value_bytes + ib), numel * 4
-        if payload >= dense:
-            return False, f"sparse payload {payload} B >= dense {dense} B"
-        hybrid = self.name != "randomk"  # Random-k allreduces its values: no allgather term
-        if hybrid and world * payload >= 2 * dense:
-            return False, f"allgather of {world} x {payload} B >= ring allreduce of {dense} B"
-        return True, "sparse"
-
-    # -- per tensor, untimed ---------------------------------------------------------------------------------
-    def prepare(self, a: torch.Tensor, shape: Tuple[int, ...], name: str) -> Dict[str, Any]:
-        """State the package keeps per tensor between steps (codec, bases, ADTopk-T thresholds)."""
-        prep: Dict[str, Any] = {"name": name, "numel": a.numel(), "shape": shape}
-        if self.name in ("adtopk", "adtopk_i", "adtopk_t"):
-            lay = self.sel.fiber_layout(shape, self.ratio, self.axis)
-            prep["layout"] = lay
-            prep["bases"] = self.sel.fiber_bases(lay, a.device)
-            prep["scratch"] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)  # as the package reuses one
-        if self.name == "adtopk_t":
-            values, _ = self.sel.all_dimension_topk(a, prep["layout"])
-            theta = torch.nan_to_num(values.abs().amin(dim=1).detach().to(torch.float64), nan=0.0, posinf=0.0)
-            prep["theta"] = theta
-        if self.name == "threshold":
-            k = self.sel.keep_count(self.ratio, a.numel())
-            prep["threshold"] = float(torch.topk(a.reshape(-1).abs(), k, sorted=False).values.min())
-        return prep
-
-    # -- the timed part ------------------------------------------------------------------------------------------
-    def _adtopk(self, a: torch.Tensor, prep: Dict[str, Any]) -> Picked:
-        lay, bases = prep["layout"], prep["bases"]
-        values, local = self.sel.all_dimension_topk(a, lay, prep["scratch"])
-        flat = self.sel.local_to_flat(local, lay, bases)
-
-        def to_flat(idx: torch.Tensor) -> torch.Tensor:  # what FiberCodec.to_flat does
-            return self.sel.local_to_flat(idx, lay, bases)
-
-        return Picked(values.reshape(-1), flat, local.reshape(-1), self.pkg.wire.index_dtype_for(lay.fiber_len - 1),
-                      lay.count, to_flat)
-
-    def _flat(self, values: torch.Tensor, flat: torch.Tensor, numel: int, count: Optional[int]) -> Picked:
-        return Picked(values, flat, flat, self.pkg.wire.index_dtype_for(numel - 1), count, _identity_flat)
-
-    def _topk(self, a: torch.Tensor, numel: int) -> Picked:
-        k = self.sel.keep_count(self.ratio, numel)
-        values, flat = self.sel.global_topk(a, k)
-        return self._flat(values, flat, numel, k)
-
-    def select(self, a: torch.Tensor, prep: Dict[str, Any], step: int) -> Picked:
-        sel, numel, name = self.sel, prep["numel"], self.name
-        k = sel.keep_count(self.ratio, numel)
-        if name == "adtopk" or (name == "adtopk_i" and step % 2 == 0):
-            return self._adtopk(a, prep)
-        if name in ("topk", "adtopk_i"):
-            return self._topk(a, numel)
-        if name == "adtopk_t":
-            lay = prep["layout"]
-            if step % self.tau != 0:  # between exact steps: one comparison pass per fiber threshold
-                values, flat = sel.fiber_threshold_select(a, lay, prep["theta"])
-                return self._flat(values, flat, numel, None)
-            values, local = sel.all_dimension_topk(a, lay, prep["scratch"])
-            theta = torch.nan_to_num(values.abs().amin(dim=1).detach().to(torch.float64), nan=0.0, posinf=0.0)
-            old = prep["theta"]
-            float(((theta - old).abs() / old.clamp_min(1e-30)).median())  # the tau update's statistic
-            flat = sel.local_to_flat(local, lay, prep["bases"])
-            return self._flat(values.reshape(-1), flat, numel, None)
-        if name == "randomk":
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(stable_seed(self.seed, prep["name"], step))
-            flat = sel.random_positions(numel, k, gen, a.device)
-            return Picked(a.reshape(-1)[flat], flat, None, None, k, _identity_flat)
-        mag = a.reshape(-1).abs()
-        if name == "dgc":
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(stable_seed("dgc", self.seed, prep["name"], step))
-            t = sel.refine_threshold(mag, sel.dgc_threshold(mag, self.ratio, gen, 0.01), k, max_iters=3)
-            values, flat = sel.threshold_select(a, t)
-            if flat.numel() > 1.25 * k:  # DGC's hierarchical step: exact top-k of the candidates
-                finite = torch.isfinite(values)
-                keep = torch.topk(torch.where(finite, values.abs(), torch.full_like(values, float("inf"))), k,
-                                  sorted=False).indices
-                values, flat = values[keep], flat[keep]
-            return self._flat(values, flat, numel, None)
-        if name == "gaussiank":
-            t = sel.refine_threshold(mag, sel.gaussian_threshold(a, self.ratio), k, max_iters=5)
-        elif name == "redsync":
-            t = sel.redsync_threshold(mag, k)
-        elif name == "sidco":
-            t = sel.refine_threshold(mag, sel.sidco_threshold(mag, self.ratio, 2, "exponential"), k, max_iters=4)
-        elif name == "threshold":
-            t = prep["threshold"]
-        else:
-            raise ValueError(f"unknown compressor {name!r}")
-        values, flat = sel.threshold_select(a, t)
-        return self._flat(values, flat, numel, None)
-
-    def package_compressor(self, threshold: float = 0.0):
-        """The package's compressor with the same settings (needs Horovod)."""
-        comp = self.pkg.compressors
-        assert comp is not None
-        kwargs: Dict[str, Any] = {"ratio": self.ratio}
-        if self.name == "adtopk_t":
-            kwargs["tau_max"] = self.tau
-        if self.name == "threshold":
-            kwargs["threshold"] = threshold
-        return comp.Compression.get(self.name, **kwargs)
+def kth_magnitude(a: torch.Tensor, ratio: float) -> float:
+    k = max(1, int(math.floor(ratio * a.numel())))
+    return float(torch.topk(a.reshape(-1).abs(), k, sorted=False).values.min())
 
 
 # --- timing -----------------------------------------------------------------------------------------------------
@@ -318,62 +145,31 @@ class Timer:
         return statistics.median(runs), runs, out
 
 
-def compress(rule: Rule, a: torch.Tensor, prep: Dict[str, Any], step: int, vdt: torch.dtype,
-             wire: types.ModuleType) -> Tuple[Picked, torch.Tensor]:
-    """select + cast + pack, as ``DistributedOptimizer._submit_sparse`` does (no error feedback)."""
-    p = rule.select(a, prep, step)
-    values = p.values.to(vdt)
-    return p, wire.pack(values, p.wire_index, vdt, p.index_dtype)
+def compress(comp, a: torch.Tensor, info: TensorInfo, step: int, vdt: torch.dtype) -> Tuple[Selection, torch.Tensor]:
+    """select + cast + pack, as ``DistributedOptimizer`` does it (no error feedback)."""
+    s = comp.select(a, info, step)
+    return s, wire.pack(s.values.to(vdt), s.wire_index, vdt, s.codec.index_dtype)
 
 
-def aggregate(p: Picked, gathered: torch.Tensor, counts: Sequence[int], numel: int, dtype: torch.dtype,
-              vdt: torch.dtype, wire: types.ModuleType) -> torch.Tensor:
-    """unpack + positions + index_add_ + average, as ``DistributedOptimizer._finish`` does."""
-    dense = torch.zeros(numel, dtype=dtype, device=gathered.device)
-    if p.wire_index is None:  # Random-k: the payload was summed (and averaged) by allreduce
-        dense[p.flat] = gathered.to(dtype)
+def aggregate(s: Selection, gathered: torch.Tensor, counts: Sequence[int], numel: int, dtype: torch.dtype,
+              vdt: torch.dtype) -> torch.Tensor:
+    """unpack + positions + index_add_ (``exchange.aggregate_blocks``) + the 1/W average, as the optimizer does."""
+    dense = torch.empty(numel, dtype=dtype, device=gathered.device)
+    if isinstance(s.codec, SharedCodec):  # Random-k: the payload was summed (and averaged) by allreduce
+        dense.zero_()
+        dense[s.codec.flat] = gathered.to(dtype)
         return dense
-    values, index = wire.unpack(gathered, counts, vdt, p.index_dtype)
-    values = values.to(dtype)
-    flat = p.to_flat(index) if index.numel() else index
-    if dense.device.type == "cpu":
-        dense.index_add_(0, flat, values)
-    else:
-        off = 0
-        for c in counts:
-            dense.index_add_(0, flat[off:off + c], values[off:off + c])
-            off += c
-    dense.mul_(1.0 / len(counts))
-    return dense
+    aggregate_blocks(dense, gathered, counts, s.codec, vdt)
+    return dense.mul_(1.0 / len(counts))
 
 
-def check_aggregate(p: Picked, dense: torch.Tensor, vdt: torch.dtype) -> bool:
+def check_aggregate(s: Selection, dense: torch.Tensor, vdt: torch.dtype) -> bool:
     """Two identical ranks averaged must give back the (cast) values at their positions."""
-    expect = p.values.to(vdt).to(dense.dtype)
-    return bool(torch.allclose(dense[p.flat], expect, rtol=1e-6, atol=0.0, equal_nan=True))
+    expect = s.values.to(vdt).to(dense.dtype)
+    return bool(torch.allclose(dense[s.flat], expect, rtol=1e-6, atol=0.0, equal_nan=True))
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device, threads: int) -> Dict[str, Any]:
-    info: Dict[str, Any] = {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch_threads": threads,
-                            "torch": torch.__version__, "python": platform.python_version(),
-                            "platform": platform.platform(), "device": str(device)}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def gradient(shape: Tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
@@ -384,14 +180,6 @@ def gradient(shape: Tuple[int, ...], seed: int, device: torch.device) -> torch.T
 
 def shape_key(shape: Tuple[int, ...]) -> str:
     return "x".join(str(s) for s in shape) or "scalar"
-
-
-def ms(x: float) -> str:
-    return f"{x * 1e3:.3f}" if x < 10 else f"{x * 1e3:.0f}"
-
-
-def ratio_str(num: float, den: float) -> str:
-    return f"{num / den:.2f}" if den > 0 else "-"
 
 
 @dataclass
@@ -413,35 +201,7 @@ class ShapeMeasure:
     results: Dict[Tuple[float, str], Dict[str, PhaseResult]] = field(default_factory=dict)
 
 
-# --- cross-check against the package compressors (Horovod only) --------------------------------------------------
-
-
-def cross_check(rule: Rule, a: torch.Tensor, shape: Tuple[int, ...], name: str) -> str:
-    """Compare the local rule's selection with ``Compression.get(...).select`` on one tensor, every phase."""
-    comp = rule.pkg.compressors
-    info = comp.TensorInfo(name, tuple(shape), a.numel(), a.dtype)
-    prep = rule.prepare(a, shape, name)
-    c = rule.package_compressor(prep.get("threshold", 0.0))
-    if rule.name == "adtopk_t":
-        # Package: steps 0 and 1 are exact (warmup); the thresholds did not move, so tau becomes 2 and
-        # step 2 is a threshold step. Local: step 0 exact, step 1 threshold.
-        exact = c.select(a, info, 0)
-        c.select(a, info, 1)
-        pairs = [(0, exact), (1, c.select(a, info, 2))]
-    else:
-        pairs = [(ph.step, c.select(a, info, ph.step)) for ph in rule.phases()]
-    for step, ref in pairs:
-        mine = rule.select(a, prep, step)
-        o1, o2 = torch.sort(mine.flat).indices, torch.sort(ref.flat).indices
-        if mine.flat.numel() != ref.flat.numel() or not torch.equal(mine.flat[o1], ref.flat[o2]) \
-                or not torch.equal(mine.values[o1], ref.values[o2]):
-            return f"MISMATCH step {step}"
-        if (ref.wire_index is None) != (mine.wire_index is None) or ref.codec.index_dtype != mine.index_dtype:
-            return f"MISMATCH wire step {step}"
-    return "ok"
-
-
-# --- wire-format decision data -------------------------------------------------------------------------------------
+# --- wire-format decision data (alternatives the package does not ship) ---------------------------------------------
 
 
 def pack_rows(values: torch.Tensor, index: torch.Tensor, vdt: torch.dtype, idt: torch.dtype) -> torch.Tensor:
@@ -460,16 +220,15 @@ def unpack_rows(rows: torch.Tensor, vdt: torch.dtype, idt: torch.dtype) -> Tuple
     return vcol.view(vdt).reshape(-1), icol.view(idt).reshape(-1).to(torch.int64)
 
 
-def wire_check(pkg: Package, shapes: List[Tuple[str, Tuple[int, ...]]], args: argparse.Namespace,
+def wire_check(shapes: List[Tuple[str, Tuple[int, ...]]], args: argparse.Namespace,
                timer: Timer, device: torch.device, vdt: torch.dtype) -> List[Dict[str, Any]]:
-    wire = pkg.wire
-    rule = Rule(pkg, "adtopk", 0.01, args.tau, args.seed)
+    comp = make_compressor("adtopk", 0.01, vdt)
     rows = []
     for name, shape in shapes:
         a = gradient(shape, args.seed, device)
-        prep = rule.prepare(a, shape, name)
-        sel_s, _, p = timer.run(lambda: rule.select(a, prep, 0))
-        idt = p.index_dtype
+        info = TensorInfo(name, tuple(shape), a.numel(), a.dtype)
+        sel_s, _, p = timer.run(lambda: comp.select(a, info, 0))
+        idt = p.codec.index_dtype
         n = p.values.numel()
         block_s, _, payload = timer.run(lambda: wire.pack(p.values, p.wire_index, vdt, idt))
         rows_s, _, rows_payload = timer.run(lambda: pack_rows(p.values, p.wire_index, vdt, idt))
@@ -489,7 +248,7 @@ def wire_check(pkg: Package, shapes: List[Tuple[str, Tuple[int, ...]]], args: ar
                      "pack_rows_over_select": rows_s / sel_s if sel_s else None,
                      "pack_separate_over_select": sep_s / sel_s if sel_s else None,
                      "collectives_block": 1, "collectives_rows": 1, "collectives_separate": 2})
-        del a, prep, p, payload, gathered, gv, gi, rows_payload, gathered_rows
+        del a, p, payload, gathered, gv, gi, rows_payload, gathered_rows
     return rows
 
 
@@ -520,8 +279,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random gradients (default 0)")
     ap.add_argument("--quick", action="store_true",
                     help="3 repeats, adtopk and topk only, tensors up to %d elements (< 60 s on one core)" % QUICK_MAX_NUMEL)
-    ap.add_argument("--no-horovod", action="store_true",
-                    help="behave as if Horovod were not installed (local dense/sparse rule, no cross-check)")
     ap.add_argument("--per-tensor", action="store_true", help="also print one line per measured shape")
     ap.add_argument("--out", default="bench_results/compress.json", help="JSON output (default bench_results/compress.json)")
     args = ap.parse_args(argv)
@@ -553,69 +310,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
-    pkg = load_package(args.no_horovod)
-    wire = pkg.wire
     vdt = getattr(torch, args.value_dtype)
-    vbytes = wire.dtype_bytes(vdt)
     timer = Timer(device, args.repeats, args.warmup)
-    machine = machine_info(device, args.threads)
-    print(f"# bench_compress  cpu: {machine['cpu']}  threads: {args.threads}  torch {torch.__version__}  device: {device}"
-          + (f" ({machine['gpu']})" if "gpu" in machine else ""))
-    print(f"# {pkg.note}")
+    machine = common.machine_info(device, args.threads)
+    note = "compressors: horovod_adtopk.compressors.Compression.get; dense/sparse: compressor.choose_path(info, 2)"
+    print(f"# bench_compress  cpu: {machine['cpu_model']}  threads: {args.threads}  torch {torch.__version__}  "
+          f"device: {device}" + (f" ({machine['gpu']})" if "gpu" in machine else ""))
+    print(f"# {note}")
     print(f"# median of {args.repeats} after {args.warmup} warmup; values on the wire: {args.value_dtype}; "
           f"world size {WORLD} (payload concatenated twice); floor = a.sum() (one read pass)")
 
-    report: Dict[str, Any] = {"machine": machine, "settings": {k: v for k, v in vars(args).items()},
-                              "horovod": pkg.compressors is not None, "note": pkg.note,
+    report: Dict[str, Any] = {"machine": machine, "settings": {k: v for k, v in vars(args).items()}, "note": note,
                               "floor": "a.sum() (one read pass); floor_absmax_s: a.abs().max()",
                               "global_topk": "torch.topk(a.abs().flatten(), k, sorted=False), k = max(1, floor(ratio*numel))",
                               "models": {}, "wire_format": []}
-    rules = {(r, c): Rule(pkg, c, r, args.tau, args.seed) for r in args.ratios for c in args.compressors}
+    rcs = [(r, c) for r in args.ratios for c in args.compressors]
+    deciders = {(r, c): make_compressor(c, r, vdt, seed=args.seed) for r, c in rcs}
     all_checks_ok = True
     wire_candidates: List[Tuple[int, str, Tuple[int, ...]]] = []
 
     for model in args.models:
-        layers = [(n, tuple(int(s) for s in shp)) for n, shp in pkg.models.layer_shapes(model)]
+        layers = common.model_shapes(model)
         numels = {n: math.prod(s) for n, s in layers}
         skipped = [n for n, s in layers if args.max_numel is not None and numels[n] > args.max_numel]
-        # Decide dense / sparse per (ratio, compressor, tensor).
-        decisions: Dict[Tuple[float, str], Dict[str, Tuple[bool, str]]] = {}
-        rule_mismatch: List[str] = []
-        for (r, c), rule in rules.items():
-            dec = {}
-            pc = rule.package_compressor() if pkg.compressors is not None else None
-            if pc is not None and args.value_dtype != "float32":
-                pc.value_dtype = vdt
-            for n, s in layers:
-                local = rule.choose_path(s, numels[n], WORLD, vbytes)
-                if pc is not None:
-                    info = pkg.compressors.TensorInfo(n, s, numels[n], torch.float32)
-                    ref = pc.choose_path(info, WORLD)
-                    if ref[0] != local[0]:
-                        rule_mismatch.append(f"{c}@{r}:{n}")
-                    local = ref
-                dec[n] = local
-            decisions[(r, c)] = dec
-        if rule_mismatch:
-            all_checks_ok = False
-            print(f"# WARNING {model}: local dense/sparse rule disagrees with choose_path on {rule_mismatch[:5]}")
+        # Dense / sparse per (ratio, compressor, tensor): the package's rule.
+        decisions = {rc: {n: deciders[rc].choose_path(TensorInfo(n, s, numels[n], torch.float32), WORLD)
+                          for n, s in layers} for rc in rcs}
         needed: Dict[Tuple[int, ...], List[str]] = {}
         for n, s in layers:
             if n in skipped:
                 continue
-            if any(decisions[rc][n][0] for rc in rules):
+            if any(decisions[rc][n][0] for rc in rcs):
                 needed.setdefault(s, []).append(n)
 
         measures: Dict[Tuple[int, ...], ShapeMeasure] = {}
-        checks: Dict[str, str] = {}
-        check_shape = None
-        if pkg.compressors is not None and needed:
-            big = [s for s in needed if math.prod(s) >= 4096]
-            check_shape = min(big or list(needed), key=math.prod)
         t_model = time.perf_counter()
         for s, names in needed.items():
             a = gradient(s, args.seed, device)
             numel = a.numel()
+            info = TensorInfo(names[0], s, numel, a.dtype)
             m = ShapeMeasure()
             m.floor_s, _, _ = timer.run(lambda: a.sum())
             m.floor_absmax_s, _, _ = timer.run(lambda: a.abs().max())
@@ -628,23 +361,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for c in args.compressors:
                     if not decisions[(r, c)][names[0]][0]:
                         continue
-                    rule = rules[(r, c)]
-                    if s == check_shape:
-                        checks[f"{c}@{r}"] = cross_check(rule, a, s, names[0])
-                        all_checks_ok &= checks[f"{c}@{r}"] == "ok"
-                    prep = rule.prepare(a, s, names[0])
                     per_phase: Dict[str, PhaseResult] = {}
-                    for ph in rule.phases():
-                        c_s, c_runs, (p, payload) = timer.run(lambda: compress(rule, a, prep, ph.step, vdt, wire))
+                    for ph in phases(c, args.tau):
+                        comp = make_compressor(c, r, vdt, ph.label, args.seed,
+                                               kth_magnitude(a, r) if c == "threshold" else 0.0)
+                        if c == "adtopk_t":
+                            comp.select(a, info, 0)  # untimed first (exact) step: sets the fiber thresholds
+                        c_s, c_runs, (p, payload) = timer.run(lambda: compress(comp, a, info, ph.step, vdt))
                         gathered = torch.cat([payload] * WORLD) if p.wire_index is not None else payload
                         counts = [p.values.numel()] * WORLD
-                        g_s, g_runs, dense = timer.run(
-                            lambda: aggregate(p, gathered, counts, numel, a.dtype, vdt, wire))
+                        g_s, g_runs, dense = timer.run(lambda: aggregate(p, gathered, counts, numel, a.dtype, vdt))
                         ok = check_aggregate(p, dense, vdt)
                         all_checks_ok &= ok
                         per_phase[ph.label] = PhaseResult(c_s, g_s, c_runs, g_runs, p.values.numel(),
                                                           wire.payload_bytes(payload), ok)
-                        del p, payload, gathered, dense
+                        del p, payload, gathered, dense, comp
                     m.results[(r, c)] = per_phase
                     if c == "adtopk" and r == 0.01:
                         wire_candidates.append((numel, names[0], s))
@@ -653,39 +384,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         # Assemble per-tensor rows and totals.
         mrep: Dict[str, Any] = {"tensors": len(layers), "params": sum(numels.values()),
-                                "skipped_over_max_numel": skipped, "cross_check": checks,
-                                "rule_mismatches": rule_mismatch, "seconds": time.perf_counter() - t_model,
+                                "skipped_over_max_numel": skipped, "seconds": time.perf_counter() - t_model,
                                 "results": {}}
         print(f"\n== {model}: {len(layers)} tensors, {sum(numels.values()):,} params; "
               f"{len(needed)} distinct sparse shapes measured"
               + (f"; {len(skipped)} tensors over --max-numel skipped ({sum(numels[n] for n in skipped):,} params)"
-                 if skipped else "")
-              + (f"; cross-check vs package: {'ok' if all(v == 'ok' for v in checks.values()) else checks}" if checks else ""))
+                 if skipped else ""))
         hdr = (f"{'ratio':>6} {'compressor':<10} {'sparse':>6} {'dense':>5} {'payloadMB':>9} {'compress':>10} "
                f"{'aggregate':>10} {'floor':>9} {'glob_topk':>10} {'comp/floor':>10} {'topk/comp':>9} {'agg/floor':>9}")
         print(hdr + "\n" + "-" * len(hdr) + "   (times: ms, sums over the compressor's sparse tensors)")
         for r in args.ratios:
             for c in args.compressors:
-                rule = rules[(r, c)]
                 dec = decisions[(r, c)]
+                weights = {ph.label: ph.weight for ph in phases(c, args.tau)}
                 rows = []
                 for n, s in layers:
                     if n in skipped or not dec[n][0]:
                         continue
                     m = measures[s]
-                    phases = m.results[(r, c)]
-                    weights = {ph.label: ph.weight for ph in rule.phases()}
+                    per = m.results[(r, c)]
                     rows.append({
                         "name": n, "shape": list(s), "numel": numels[n],
-                        "compress_s": sum(weights[l] * pr.compress_s for l, pr in phases.items()),
-                        "aggregate_s": sum(weights[l] * pr.aggregate_s for l, pr in phases.items()),
+                        "compress_s": sum(weights[l] * pr.compress_s for l, pr in per.items()),
+                        "aggregate_s": sum(weights[l] * pr.aggregate_s for l, pr in per.items()),
                         "floor_s": m.floor_s, "floor_absmax_s": m.floor_absmax_s, "global_topk_s": m.global_topk_s[r],
-                        "entries": sum(weights[l] * pr.count for l, pr in phases.items()),
-                        "payload_bytes": sum(weights[l] * pr.payload_bytes for l, pr in phases.items()),
-                        "phases": {l: vars(pr) for l, pr in phases.items()} if len(phases) > 1 else None,
-                        "runs": None if len(phases) > 1 else {"compress": phases["step"].compress_runs,
-                                                               "aggregate": phases["step"].aggregate_runs},
-                        "aggregate_ok": all(pr.ok for pr in phases.values()),
+                        "entries": sum(weights[l] * pr.count for l, pr in per.items()),
+                        "payload_bytes": sum(weights[l] * pr.payload_bytes for l, pr in per.items()),
+                        "phases": {l: vars(pr) for l, pr in per.items()} if len(per) > 1 else None,
+                        "runs": None if len(per) > 1 else {"compress": per["step"].compress_runs,
+                                                            "aggregate": per["step"].aggregate_runs},
+                        "aggregate_ok": all(pr.ok for pr in per.values()),
                     })
                 dense = {n: dec[n][1] for n, _ in layers if not dec[n][0]}
                 tot = {key: sum(row[key] for row in rows) for key in
@@ -697,10 +425,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "aggregate_over_floor": tot["aggregate_s"] / tot["floor_s"] if tot["floor_s"] else None})
                 mrep["results"].setdefault(str(r), {})[c] = {"totals": tot, "tensors": rows, "dense": dense}
                 print(f"{r:>6g} {c:<10} {len(rows):>6} {len(dense):>5} {tot['payload_bytes'] / 1e6:>9.3f} "
-                      f"{ms(tot['compress_s']):>10} {ms(tot['aggregate_s']):>10} {ms(tot['floor_s']):>9} "
-                      f"{ms(tot['global_topk_s']):>10} {ratio_str(tot['compress_s'], tot['floor_s']):>10} "
-                      f"{ratio_str(tot['global_topk_s'], tot['compress_s']):>9} "
-                      f"{ratio_str(tot['aggregate_s'], tot['floor_s']):>9}")
+                      f"{common.ms(tot['compress_s']):>10} {common.ms(tot['aggregate_s']):>10} "
+                      f"{common.ms(tot['floor_s']):>9} {common.ms(tot['global_topk_s']):>10} "
+                      f"{common.ratio(tot['compress_s'], tot['floor_s']):>10} "
+                      f"{common.ratio(tot['global_topk_s'], tot['compress_s']):>9} "
+                      f"{common.ratio(tot['aggregate_s'], tot['floor_s']):>9}")
                 if args.per_tensor:
                     seen = set()
                     for row in rows:
@@ -709,9 +438,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             continue
                         seen.add(key)
                         mult = sum(1 for x in rows if tuple(x["shape"]) == key)
-                        print(f"{'':>6} {'':<10}   {shape_key(key):<22} x{mult:<3} compress {ms(row['compress_s']):>9} "
-                              f"aggregate {ms(row['aggregate_s']):>9} floor {ms(row['floor_s']):>8} "
-                              f"glob_topk {ms(row['global_topk_s']):>9}")
+                        print(f"{'':>6} {'':<10}   {shape_key(key):<22} x{mult:<3} compress {common.ms(row['compress_s']):>9} "
+                              f"aggregate {common.ms(row['aggregate_s']):>9} floor {common.ms(row['floor_s']):>8} "
+                              f"glob_topk {common.ms(row['global_topk_s']):>9}")
         report["models"][model] = mrep
 
     if args.wire_tensors > 0 and wire_candidates and "adtopk" in args.compressors and 0.01 in args.ratios:
@@ -722,13 +451,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 picks.append((n, s))
             if len(picks) == args.wire_tensors:
                 break
-        rows = wire_check(pkg, picks, args, timer, device, vdt)
+        rows = wire_check(picks, args, timer, device, vdt)
         report["wire_format"] = rows
         print(f"\n== wire format: adtopk @ 0.01, biggest {len(rows)} sparse shapes (ms; pack includes the value cast)")
         hdr = (f"{'tensor':<34} {'shape':<18} {'entries':>8} {'B/ent':>5} {'select':>9} {'pk_block':>8} {'pk_rows':>8} "
                f"{'pk_2t':>7} {'blk/sel':>7} {'rows/sel':>8} {'2t/sel':>6} {'up_block':>8} {'up_rows':>8} {'up_2t':>7}")
         print(hdr)
         print("-" * len(hdr))
+        ms = common.ms
         for w in rows:
             print(f"{w['name']:<34} {'x'.join(map(str, w['shape'])):<18} {w['entries']:>8} {w['entry_bytes']:>5} "
                   f"{ms(w['select_s']):>9} {ms(w['pack_block_s']):>8} {ms(w['pack_rows_s']):>8} {ms(w['pack_separate_s']):>7} "
@@ -740,11 +470,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     report["all_checks_ok"] = all_checks_ok
     report["seconds"] = time.perf_counter() - t_start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"\n# checks (aggregation round trip{', choose_path and selection cross-check' if pkg.compressors else ''}): "
-          f"{'ok' if all_checks_ok else 'FAILED (see JSON)'}; wrote {out}; {report['seconds']:.1f} s")
+    out = common.write_json(args.out, report)
+    print(f"\n# checks (aggregation round trip): {'ok' if all_checks_ok else 'FAILED (see JSON)'}; wrote {out}; "
+          f"{report['seconds']:.1f} s")
     return 0 if all_checks_ok else 1
 
 

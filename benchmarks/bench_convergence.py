@@ -1,6 +1,12 @@
 #!/usr/bin/env python
 """Convergence benchmark: dense training vs sparse gradient compressors, same seed, same budget.
 
+How to run (from the repository root, with the package and Horovod installed: ``scripts/setup.sh``)::
+
+    python benchmarks/bench_convergence.py --quick                   # smoke test, < 2 minutes
+    python benchmarks/bench_convergence.py                           # full grid (about an hour on 2 cores)
+    python benchmarks/bench_convergence.py --datasets fashion-mnist --methods none,adtopk,topk --ratios 0.01
+
 Every run is one launch of ``horovodrun -np N --gloo python examples/train.py`` (sequential, each under
 ``--run-timeout``), with the same ``--seed`` for every method, so the model initialisation, the data order
 and the learning-rate schedule are identical and only the gradient compressor differs. Grid: datasets
@@ -44,35 +50,28 @@ under a point are within run-to-run noise.
 
 Wall times on a small CPU machine with more ranks than cores measure oversubscribed compute plus
 compression cost, not a network; compare them between methods of the same invocation only.
-
-    python benchmarks/bench_convergence.py --quick                   # smoke test, < 2 minutes
-    python benchmarks/bench_convergence.py                           # full grid (about an hour on 2 cores)
-    python benchmarks/bench_convergence.py --datasets fashion-mnist --methods none,adtopk,topk --ratios 0.01
 """
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import importlib.util
+import functools
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import common
+from common import HOROVODRUN, run_command
 
-from tests.harness import HOROVODRUN, run_command  # noqa: E402
-
-TRAIN = REPO / "examples" / "train.py"
-PLOT = REPO / "examples" / "plot.py"
+TRAIN = common.EXAMPLES_DIR / "train.py"
+PLOT = common.EXAMPLES_DIR / "plot.py"
 DATASETS = ("fashion-mnist", "shakespeare")
 DEFAULT_METHODS = ("none", "adtopk", "topk", "adtopk_i", "dgc", "randomk")
 DEFAULT_RATIOS = (0.01, 0.001)
@@ -177,17 +176,29 @@ def parse_args(argv=None) -> argparse.Namespace:
 # train.py (imported only for its argument parser, so the commands are validated and resolved here)
 # ---------------------------------------------------------------------------------------------------------
 
-_TRAIN_MODULE = None
+# train.py's own argument parser, run where train.py runs (its directory first on the path, for its
+# sibling imports), once for every planned run.
+_RESOLVE = """
+import json, sys
+import train
+out = []
+for argv in json.loads(sys.argv[1]):
+    try:
+        out.append(vars(train.parse_args(argv)))
+    except SystemExit as exc:
+        out.append({"__exit__": exc.code})
+print(json.dumps(out, default=str))
+"""
 
 
-def train_module():
-    global _TRAIN_MODULE
-    if _TRAIN_MODULE is None:
-        spec = importlib.util.spec_from_file_location("_bench_train", TRAIN)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        _TRAIN_MODULE = mod
-    return _TRAIN_MODULE
+def resolve_train_args(argvs: Sequence[List[str]]) -> List[object]:
+    """``train.parse_args(argv)`` for every argv (a namespace, or the exit code when train.py rejects it)."""
+    proc = subprocess.run([sys.executable, "-c", _RESOLVE, json.dumps(list(argvs))], cwd=str(TRAIN.parent),
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise SystemExit(f"could not run train.py's argument parser:\n{proc.stderr.strip()[-3000:]}")
+    return [d["__exit__"] if "__exit__" in d else SimpleNamespace(**d)
+            for d in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -202,7 +213,7 @@ def test_data(dataset: str, seq_len: int):
     """(train length, test set, vocab size or None), cached."""
     key = (dataset, seq_len if dataset == "shakespeare" else None)
     if key not in _DATA_CACHE:
-        from examples import datasets
+        datasets = common.load_example("datasets")
         if dataset == "fashion-mnist":
             train, test = datasets.load_fashion_mnist(None)
             _DATA_CACHE[key] = (len(train), test, None)
@@ -217,7 +228,7 @@ def evaluate_checkpoint(path: Path, test_set, vocab: Optional[int], world: int, 
     """Score a checkpoint's model on the test examples train.py's evaluate() would use with ``world`` ranks."""
     import torch
     import torch.nn.functional as F
-    from examples.models import build_model
+    build_model = common.load_example("models").build_model
 
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     cfg = ckpt["config"]
@@ -291,7 +302,7 @@ def read_jsonl(path: Path) -> List[dict]:
     return rows
 
 
-def plan_run(args, dataset: str, method: str, ratio: Optional[float]) -> dict:
+def train_argv_for(args, dataset: str, method: str, ratio: Optional[float]) -> List[str]:
     name = run_name(dataset, method, ratio)
     out = args.out_dir
     train_argv = ["--dataset", dataset, "--compressor", method, "--epochs", str(args.epochs), "--seed", str(args.seed),
@@ -305,10 +316,15 @@ def plan_run(args, dataset: str, method: str, ratio: Optional[float]) -> dict:
     if args.test_batches is not None:
         train_argv += ["--test-batches", str(args.test_batches)]
     train_argv += shlex.split(args.train_args)
-    try:
-        resolved = train_module().parse_args(train_argv)
-    except SystemExit as exc:
-        raise SystemExit(f"train.py rejects the arguments of run {name}: {' '.join(train_argv)} (exit {exc.code})")
+    return train_argv
+
+
+def plan_run(args, dataset: str, method: str, ratio: Optional[float], train_argv: List[str], resolved) -> dict:
+    name = run_name(dataset, method, ratio)
+    out = args.out_dir
+    if not isinstance(resolved, SimpleNamespace):
+        raise SystemExit(f"train.py rejects the arguments of run {name}: {' '.join(train_argv)} (exit {resolved})")
+    train_argv = list(train_argv)
     n_train, _, _ = test_data(dataset, resolved.seq_len)
     steps_per_epoch = math.ceil(math.ceil(n_train / args.np) / resolved.batch_size)  # DistributedSampler, no drop_last
     total = resolved.epochs * steps_per_epoch
@@ -457,8 +473,7 @@ def analyse(rows: List[dict], args) -> None:
             r["bytes_vs_dense_run"] = (r["bytes_sent"] or 0.0) / d["final"]["bytes_sent"] if d["final"].get("bytes_sent") else None
 
 
-def fmt(v, spec: str, none: str = "n/a") -> str:
-    return none if v is None else format(v, spec)
+fmt = functools.partial(common.fmt, none="n/a")
 
 
 def table(rows: List[dict]) -> str:
@@ -478,10 +493,7 @@ def table(rows: List[dict]) -> str:
         lines.append([r["dataset"], r["method"], "-" if r["ratio"] is None else f"{r['ratio']:g}", final, delta,
                       fmt(r["wall_time"], ".1f"), fmt(r["time_to_target"], ".1f"), str(len(r["points"])),
                       fmt(r["bytes_vs_dense"], ".4f"), fmt(r["density"], ".4f"), r["status"]])
-    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(l, widths)) for l in lines]
-    return "\n".join(out)
+    return common.table(head, lines)
 
 
 def targets(rows: List[dict]) -> List[dict]:
@@ -516,31 +528,6 @@ def targets(rows: List[dict]) -> List[dict]:
     return checks
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-
-    def version(pkg):
-        try:
-            return importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "cpus_usable": affinity, "platform": platform.platform(),
-            "python": platform.python_version(), "torch": version("torch"), "horovod": version("horovod"),
-            "numpy": version("numpy"), "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
 def make_plots(rows: List[dict], out: Path) -> Dict[str, List[str]]:
     plots = {}
     for ds in dict.fromkeys(r["dataset"] for r in rows):
@@ -560,15 +547,15 @@ def main(argv=None) -> int:
     start = time.time()
     args.out_dir = args.out_dir.resolve()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    info = machine_info()
+    info = common.machine_info()
+    info["loadavg_start"] = info.pop("loadavg")
 
-    plans = []
-    for ds in args.datasets:
-        for m in args.methods:
-            for ratio in ([None] if m in ("none", "fp16") else args.ratios):
-                plans.append(plan_run(args, ds, m, ratio))
+    grid = [(ds, m, ratio) for ds in args.datasets for m in args.methods
+            for ratio in ([None] if m in ("none", "fp16") else args.ratios)]
+    argvs = [train_argv_for(args, *g) for g in grid]
+    plans = [plan_run(args, *g, argv, resolved) for g, argv, resolved in zip(grid, argvs, resolve_train_args(argvs))]
     print(f"bench_convergence: {len(plans)} runs, {args.np} ranks, seed {args.seed}, eval points {args.eval_points}, "
-          f"timeout {args.run_timeout:.0f} s each; {info['cpu_count']} CPU(s) ({info['cpu_model']}), "
+          f"timeout {args.run_timeout:.0f} s each; {info['logical_cpus']} CPU(s) ({info['cpu_model']}), "
           f"torch {info['torch']}; out {args.out_dir}", flush=True)
 
     rows = []

@@ -1,6 +1,12 @@
 #!/usr/bin/env python
 """Step-time benchmark: dense Horovod, fp16, PowerSGD (DDP) and horovod_adtopk compressors on capped links.
 
+How to run (from the repository root, as root: it needs ``unshare -n`` and ``tc``; Horovod installed)::
+
+    python benchmarks/bench_step.py --quick                       # < 3 minutes
+    python benchmarks/bench_step.py --no-netns --rates uncapped --models mlp --modes compute,hvd-dense,adtopk
+    python benchmarks/bench_step.py                               # every rate, N, model and mode
+
     python benchmarks/bench_step.py --quick            # mlp, 2 ranks, uncapped + 1gbit, 4 modes (< 3 min)
     python benchmarks/bench_step.py                    # the full matrix (long: hours on a small machine)
     python benchmarks/bench_step.py --rates uncapped,1gbit --np 2 --models mlp --compressors adtopk,topk
@@ -49,16 +55,15 @@ import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parent.parent
+import common
+from common import HOROVODRUN, fmt
+
+REPO = common.REPO_ROOT
 WORKER = Path(__file__).resolve().parent / "_bench_step_worker.py"
-BIN = Path(sys.executable).parent
-HOROVODRUN = str(BIN / "horovodrun") if (BIN / "horovodrun").exists() else "horovodrun"
 NETNS_FLAG = "BENCH_STEP_IN_NETNS"
 PARENT_NS = "BENCH_STEP_PARENT_NETNS"
 
@@ -134,7 +139,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if m not in BATCH:
             ap.error(f"unknown model {m!r}; choose from {', '.join(BATCH)}")
     known_dense = {"compute", "hvd-dense", "hvd-fp16", "ddp-powersgd"}
-    sys.path.insert(0, str(REPO))
     from horovod_adtopk.compressors import _REGISTRY  # light import check of the names
     for m in a.modes:
         base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
@@ -287,16 +291,6 @@ def measure_link(big: int, pings: int = 200) -> dict:
 
 # --- launching a cell ------------------------------------------------------------------------------------------
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch and every process it started (the test harness's implementation)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from tests.harness import kill_tree as harness_kill_tree
-    try:
-        harness_kill_tree(proc)
-    except subprocess.TimeoutExpired:
-        pass
-
 def launch_job(args, np_: int, cfg: dict, cfg_path: Path, out_path: Path):
     """One horovodrun job in its own session under --cell-timeout; returns (returncode|None, log lines, seconds)."""
     cfg_path.write_text(json.dumps(cfg))
@@ -304,30 +298,16 @@ def launch_job(args, np_: int, cfg: dict, cfg_path: Path, out_path: Path):
         out_path.unlink()
     cmd = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", "--network-interface", "lo",
            sys.executable, str(WORKER), str(cfg_path), str(out_path)]
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "HOROVOD_CYCLE_TIME": str(args.cycle_time_ms), "GLOO_SOCKET_IFNAME": "lo",
-                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    env = {"MKL_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": str(args.cycle_time_ms), "GLOO_SOCKET_IFNAME": "lo"}
     log_lines: List[str] = []
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, text=True, errors="replace")
 
-    def pump():
-        for line in proc.stdout:
-            log_lines.append(line)
-            if "[bench_step]" in line:
-                print("   " + line.split("[bench_step]", 1)[1].strip(), flush=True)
+    def on_line(line: str) -> None:
+        log_lines.append(line)
+        if "[bench_step]" in line:
+            print("   " + line.split("[bench_step]", 1)[1].strip(), flush=True)
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc: Optional[int] = proc.wait(timeout=args.cell_timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    kill_tree(proc)  # on success nothing should remain; make sure
-    reader.join(timeout=5)
-    return rc, log_lines, time.monotonic() - t0
+    rc, _, seconds = common.run_command(cmd, timeout=args.cell_timeout, env=env, cwd=REPO, on_line=on_line)
+    return rc, log_lines, seconds
 
 
 def run_cell(args, rate: str, np_: int, model: str, workdir: Path) -> dict:
@@ -393,10 +373,6 @@ def add_ratios(cell: dict) -> None:
         m["speedup_vs_fp16"] = ref["hvd-fp16"] / t if "hvd-fp16" in ref else None
 
 
-def fmt(v, spec: str, none: str = "-") -> str:
-    return none if v is None else format(v, spec)
-
-
 def print_table(cells: List[dict]) -> str:
     hdr = (f"{'rate':>9} {'N':>2} {'model':<8} {'mode':<13} {'median ms':>10} {'x compute':>9} "
            f"{'vs dense':>8} {'vs fp16':>8} {'MB/step':>9} {'density':>8} {'steps':>5}")
@@ -452,29 +428,6 @@ def plot(cells: List[dict], rates: List[str], modes: List[str], path: Path) -> O
     return None
 
 
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                cpu = ln.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-
-    def ver(pkg: str) -> Optional[str]:
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {"cpu_model": cpu, "logical_cores": os.cpu_count(),
-            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "torch": ver("torch"), "horovod": ver("horovod"), "horovod_adtopk": ver("horovod_adtopk")}
-
-
 # --- main ---------------------------------------------------------------------------------------------------------
 
 def main() -> int:
@@ -492,7 +445,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "step time (forward+backward+optimizer step), median over steps of max over ranks",
-        "machine": machine_info(),
+        "machine": common.machine_info(),
         "config": {"rates": args.rates, "np": args.np, "models": args.models, "modes": args.modes,
                    "steps": args.steps, "warmup": args.warmup, "min_steps": args.min_steps,
                    "mode_budget_s": args.mode_budget, "ratio": args.ratio, "powersgd_rank": args.powersgd_rank,

@@ -1,4 +1,4 @@
-"""Models for the examples and benchmarks, a name-based factory, and real-model layer shapes.
+"""Models for the examples and benchmarks, and a name-based factory.
 
 Trainable models (plain PyTorch, no Horovod):
 
@@ -8,14 +8,16 @@ Trainable models (plain PyTorch, no Horovod):
 - :class:`MLP`: Linear+ReLU stack; ~25M parameters with its defaults, for communication benchmarks.
 - :class:`ResNet18Style`: the ResNet-18 layout (4 stages x 2 basic blocks, 64..512) for 32x32 inputs.
 
-:func:`build_model` makes any of them by name. :func:`layer_shapes` gives the parameter names and
-shapes of the real ResNet-50, VGG-16 and BERT-base, built from the definitions in this module on the
-``meta`` device (no memory, no downloads), so that compression benchmarks can use realistic tensor
-shapes without torchvision or transformers.
+:func:`build_model` makes any of them by name.
+
+:class:`ResNet50` and :class:`VGG16` are the torchvision layouts (same parameter names and shapes), for the
+benchmarks' layer shapes (``benchmarks/common.py`` builds them on the ``meta`` device). They are kept here
+instead of ``torchvision.models`` because a torchvision wheel only works with the torch build it was made
+for: the PyPI wheel needs the CUDA torch and fails to import with a CPU-only torch. BERT-base's shapes come
+from ``transformers`` (``BertModel(BertConfig())``).
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,10 +35,6 @@ __all__ = [
     "build_model",
     "ResNet50",
     "VGG16",
-    "BertBase",
-    "LAYER_SHAPE_ARCHS",
-    "CANONICAL_PARAM_COUNTS",
-    "layer_shapes",
     "count_parameters",
 ]
 
@@ -238,7 +236,7 @@ def build_model(name: str, **kwargs) -> nn.Module:
 
 
 # --------------------------------------------------------------------------------------------------
-# Real-model layouts (for layer_shapes; usable as ordinary modules too)
+# Real-model layouts (for the benchmarks' layer shapes; usable as ordinary modules too)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -329,178 +327,3 @@ class VGG16(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.adaptive_avg_pool2d(self.features(x), (7, 7))
         return self.classifier(torch.flatten(x, 1))
-
-
-class _BertEmbeddings(nn.Module):
-    def __init__(self, vocab: int, hidden: int, max_pos: int, type_vocab: int, eps: float) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(vocab, hidden)
-        self.position_embeddings = nn.Embedding(max_pos, hidden)
-        self.token_type_embeddings = nn.Embedding(type_vocab, hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
-
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(pos) + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x)
-
-
-class _BertSelfAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        b, t, h = x.shape
-
-        def split(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, self.heads, h // self.heads).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), attn_mask=mask)
-        return out.transpose(1, 2).reshape(b, t, h)
-
-
-class _BertDenseNorm(nn.Module):
-    """``dense`` projection followed by a residual add and ``LayerNorm`` (BERT's "output" sub-layers)."""
-
-    def __init__(self, d_in: int, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.dense = nn.Linear(d_in, hidden)
-        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
-
-
-class _BertAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, eps: float) -> None:
-        super().__init__()
-        self.self = _BertSelfAttention(hidden, heads)
-        self.output = _BertDenseNorm(hidden, hidden, eps)
-
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.output(self.self(x, mask), x)
-
-
-class _BertIntermediate(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.dense = nn.Linear(hidden, intermediate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.dense(x))
-
-
-class _BertLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int, eps: float) -> None:
-        super().__init__()
-        self.attention = _BertAttention(hidden, heads, eps)
-        self.intermediate = _BertIntermediate(hidden, intermediate)
-        self.output = _BertDenseNorm(intermediate, hidden, eps)
-
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = self.attention(x, mask)
-        return self.output(self.intermediate(x), x)
-
-
-class _BertEncoder(nn.Module):
-    def __init__(self, layers: int, hidden: int, heads: int, intermediate: int, eps: float) -> None:
-        super().__init__()
-        self.layer = nn.ModuleList(_BertLayer(hidden, heads, intermediate, eps) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        for layer in self.layer:
-            x = layer(x, mask)
-        return x
-
-
-class _BertPooler(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.dense = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(x[:, 0]))
-
-
-class BertBase(nn.Module):
-    """BERT-base encoder with pooler, no pre-training heads: 109,482,240 parameters with the defaults
-    (uncased vocabulary 30522, 12 layers, hidden 768, 12 heads, intermediate 3072, 512 positions, 2 token types).
-
-    ``forward(input_ids, token_type_ids=None, attention_mask=None)`` returns
-    ``(sequence_output [B, T, H], pooled_output [B, H])``; ``attention_mask`` is 1 for real tokens, 0 for padding.
-    """
-
-    def __init__(
-        self,
-        vocab_size: int = 30522,
-        hidden: int = 768,
-        layers: int = 12,
-        heads: int = 12,
-        intermediate: int = 3072,
-        max_position: int = 512,
-        type_vocab: int = 2,
-        eps: float = 1e-12,
-    ) -> None:
-        super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden ({hidden}) must be divisible by heads ({heads})")
-        self.embeddings = _BertEmbeddings(vocab_size, hidden, max_position, type_vocab, eps)
-        self.encoder = _BertEncoder(layers, hidden, heads, intermediate, eps)
-        self.pooler = _BertPooler(hidden)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask[:, None, None, :].to(torch.bool)  # [B, 1, 1, T], broadcast over heads and queries
-        x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
-        return x, self.pooler(x)
-
-
-_LAYOUTS: Dict[str, Callable[[], nn.Module]] = {
-    "resnet50": ResNet50,
-    "vgg16": VGG16,
-    "bert-base": BertBase,
-}
-LAYER_SHAPE_ARCHS: Tuple[str, ...] = tuple(_LAYOUTS)
-#: Canonical parameter totals that :func:`layer_shapes` reproduces.
-CANONICAL_PARAM_COUNTS: Dict[str, int] = {
-    "resnet50": 25_557_032,
-    "vgg16": 138_357_544,
-    "bert-base": 109_482_240,
-}
-_ARCH_ALIASES = {"resnet-50": "resnet50", "vgg-16": "vgg16", "bert": "bert-base", "bert_base": "bert-base", "bertbase": "bert-base"}
-
-
-@functools.lru_cache(maxsize=None)
-def _layer_shapes(arch: str) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    with torch.device("meta"):
-        model = _LAYOUTS[arch]()
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
-
-
-def layer_shapes(arch: str) -> List[Tuple[str, Tuple[int, ...]]]:
-    """Parameter names and shapes, in registration order, of a real model: "resnet50", "vgg16" or "bert-base".
-
-    The model is instantiated from this module's definitions on the ``meta`` device, so nothing is
-    allocated or downloaded. Totals: ResNet-50 25,557,032; VGG-16 138,357,544; BERT-base 109,482,240
-    (see :data:`CANONICAL_PARAM_COUNTS`). BatchNorm running statistics are buffers and not included.
-
-    Raises:
-        ValueError: unknown ``arch`` (the message lists the valid ones).
-    """
-    key = arch.strip().lower() if isinstance(arch, str) else arch
-    key = _ARCH_ALIASES.get(key, key)
-    if key not in _LAYOUTS:
-        raise ValueError(f"Unknown architecture {arch!r}; valid: {', '.join(LAYER_SHAPE_ARCHS)}")
-    return list(_layer_shapes(key))

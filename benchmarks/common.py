@@ -1,0 +1,276 @@
+"""Helpers shared by the benchmark scripts in this directory (not a benchmark itself).
+
+Every ``bench_*.py`` script imports this file as a sibling module (``import common``): Python puts the
+directory of the script it runs on ``sys.path``, so ``python benchmarks/bench_compress.py`` finds it
+without any path editing. ``horovod_adtopk`` is imported as an installed package (``pip install -e .``,
+which ``scripts/setup.sh`` does).
+
+What is here:
+
+- :func:`machine_info`: CPU model, core counts, memory, versions, for every benchmark's JSON;
+- :func:`ms`, :func:`fmt`, :func:`ratio`, :func:`table`: number formatting and plain-text tables;
+- :func:`write_json`: write a report (parent folders created);
+- :func:`run_command`: run a job (``horovodrun ...``) in its own session under a timeout, killing the
+  whole process tree afterwards; :data:`HOROVODRUN` is the launcher beside this Python;
+- :func:`load_example`: import a module of ``examples/`` (the training job's models and data sets);
+- :func:`model_shapes`: parameter names and shapes of ResNet-50, VGG-16, BERT-base and the benchmark MLP,
+  built on the ``meta`` device (nothing allocated), with their parameter counts checked.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES_DIR = REPO_ROOT / "examples"
+_BIN = Path(sys.executable).parent
+#: ``horovodrun`` of the running Python's environment if there is one, else whatever PATH finds.
+HOROVODRUN = str(_BIN / "horovodrun") if (_BIN / "horovodrun").exists() else "horovodrun"
+
+
+# --- machine --------------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def package_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info(device: Any = None, threads: Optional[int] = None) -> Dict[str, Any]:
+    """The machine a benchmark ran on; ``device`` (a torch device) and ``threads`` are added when given."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = None
+    try:
+        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+    except (ValueError, OSError, AttributeError):
+        memory_gb = None
+    info: Dict[str, Any] = {
+        "cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": usable, "memory_gb": memory_gb,
+        "platform": platform.platform(), "python": platform.python_version(),
+        **{pkg: package_version(pkg) for pkg in ("torch", "numpy", "horovod", "horovod_adtopk")},
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if threads is not None:
+        info["torch_threads"] = threads
+    if device is not None:
+        info["device"] = str(device)
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            info["gpu"] = torch.cuda.get_device_name(device)
+            info["cuda"] = torch.version.cuda
+    return info
+
+
+# --- formatting and output ------------------------------------------------------------------------------------
+
+
+def ms(seconds: float, decimals: int = 3) -> str:
+    """Milliseconds as text: ``decimals`` places below 10 s, whole milliseconds above."""
+    return f"{seconds * 1e3:.{decimals}f}" if seconds < 10 else f"{seconds * 1e3:.0f}"
+
+
+def fmt(value: Any, spec: str, none: str = "-") -> str:
+    """``format(value, spec)``, or ``none`` for a missing value."""
+    return none if value is None else format(value, spec)
+
+
+def ratio(num: float, den: float, spec: str = ".2f") -> str:
+    return format(num / den, spec) if den > 0 else "-"
+
+
+def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns as wide as their widest cell, a dashed rule under the header."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def write_json(path: Any, data: Any) -> Path:
+    """Write ``data`` as indented JSON (values JSON does not know become strings); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))
+    return path
+
+
+# --- launching jobs -------------------------------------------------------------------------------------------
+
+
+def _descendants(pid: int) -> List[int]:
+    try:
+        import psutil  # a Horovod dependency
+    except ImportError:  # pragma: no cover
+        return []
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``, its process group and every descendant (collected before anything dies).
+
+    horovodrun puts the ranks in process groups of their own, so killing the launcher's group is not
+    enough; the descendants are found through the process tree.
+    """
+    victims = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, cwd: Any = None,
+                on_line: Optional[Callable[[str], None]] = None) -> Tuple[Optional[int], str, float]:
+    """Run ``cmd`` in its own session; after it exits, or after ``timeout`` seconds, kill its process tree.
+
+    The environment is this process's plus ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1``, then ``env``.
+    ``cwd`` defaults to the repository root. ``on_line`` is called with every output line as it arrives
+    (stdout and stderr merged). Returns ``(returncode, output, seconds)``; returncode is None on timeout.
+    """
+    full_env = dict(os.environ)
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    full_env.update(env or {})
+    start = time.monotonic()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(list(cmd), cwd=str(cwd or REPO_ROOT), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                log.write(raw)
+                if on_line is not None:
+                    on_line(raw.decode(errors="replace"))
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        kill_tree(proc)  # on success nothing should be left; make sure
+        reader.join(timeout=10)
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    return rc, output, time.monotonic() - start
+
+
+# --- examples/ and model shapes -------------------------------------------------------------------------------
+
+
+def load_example(name: str) -> types.ModuleType:
+    """``examples/<name>.py`` as a module (loaded once), e.g. ``load_example("models").build_model("mlp")``.
+
+    ``examples/`` holds scripts, not an installed package; this loads a file of it by path.
+    """
+    key = f"_adtopk_examples_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, EXAMPLES_DIR / f"{name}.py")
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no examples/{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[key]
+            raise
+    return sys.modules[key]
+
+
+#: Parameter totals the shape loaders must reproduce (BatchNorm statistics are buffers, not counted).
+PARAM_COUNTS: Dict[str, int] = {
+    "resnet50": 25_557_032,
+    "vgg16": 138_357_544,
+    "bert-base": 109_482_240,
+    "mlp": 25_214_986,
+}
+MODEL_SHAPE_NAMES: Tuple[str, ...] = tuple(PARAM_COUNTS)
+#: How to get the optional packages the shape loaders use.
+INSTALL_HINT = {"transformers": "pip install transformers"}
+
+
+def _require(module: str, purpose: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise SystemExit(f"{purpose} needs the '{module}' package, which is not importable ({exc}).\n"
+                         f"Install it into this environment: {sys.executable} -m {INSTALL_HINT[module]}") from exc
+
+
+def _build_on_meta(name: str):
+    import torch
+
+    if name in ("resnet50", "vgg16"):
+        # Our own layouts of the torchvision models (same parameter names and shapes): torchvision's
+        # wheels are tied to one torch build (the PyPI wheel needs the CUDA torch), see examples/models.py.
+        models = load_example("models")
+        cls = {"resnet50": models.ResNet50, "vgg16": models.VGG16}[name]
+        with torch.device("meta"):
+            return cls()
+    if name == "bert-base":
+        transformers = _require("transformers", "the bert-base layer shapes")
+        with torch.device("meta"):
+            return transformers.BertModel(transformers.BertConfig())  # bert-base-uncased sizes, with pooler
+    if name == "mlp":
+        with torch.device("meta"):
+            return load_example("models").MLP((2048, 4096, 4096, 10))
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODEL_SHAPE_NAMES)}")
+
+
+_SHAPES: Dict[str, List[Tuple[str, Tuple[int, ...]]]] = {}
+
+
+def model_shapes(name: str) -> List[Tuple[str, Tuple[int, ...]]]:
+    """``[(parameter name, shape), ...]`` in registration order for "resnet50", "vgg16", "bert-base", "mlp".
+
+    Built on the meta device (no memory, no downloads). Raises RuntimeError when the total differs from
+    :data:`PARAM_COUNTS` (e.g. another transformers release changed BERT's defaults).
+    """
+    if name not in _SHAPES:
+        model = _build_on_meta(name)
+        shapes = [(n, tuple(int(s) for s in p.shape)) for n, p in model.named_parameters()]
+        total = sum(math.prod(s) for _, s in shapes)
+        if total != PARAM_COUNTS[name]:
+            raise RuntimeError(f"{name}: {total:,} parameters, expected {PARAM_COUNTS[name]:,}")
+        _SHAPES[name] = shapes
+    return list(_SHAPES[name])
