@@ -33,12 +33,13 @@ Kernels
   ``FB`` neighbouring columns per program, contiguous along the fiber-block dimension, so each load of a
   tile reads whole rows segments (coalesced), no transposed copy. The error-feedback add ``a += grad`` is
   fused into the first read.
-- Flat (global) selection, all programs together: ``_radix_count_kernel`` runs one round over the whole
-  tensor, each program adding its block's candidate counts to a global histogram with integer atomics
-  (exact and order-independent, hence deterministic); each round's programs replay the earlier rounds
-  from that histogram, so the rounds need no host synchronisation. Then ``_flat_count_kernel`` counts the
-  kept entries per block, ``torch.cumsum`` turns those counts into output offsets, and
-  ``_flat_write_kernel`` writes values and flat indices in ascending order. The same count / scan / write
+- Flat (global) selection, all programs together: per round, ``_radix_count_kernel`` counts the
+  candidates of every block and adds them to a global histogram with integer atomics (exact and
+  order-independent, hence deterministic), then a one-program ``_radix_step_kernel`` folds the histogram
+  into the device-side state (prefix, count above), so the rounds need no host synchronisation. Then
+  ``_flat_count_kernel`` counts the kept entries per block, ``torch.cumsum`` turns those counts into output
+  offsets, and ``_flat_write_kernel`` writes values and flat indices in ascending order. The same
+  count / scan / write
   pair serves the threshold rules and :func:`count_at_least`.
 """
 from __future__ import annotations
@@ -121,13 +122,37 @@ if triton is not None:
     @triton.jit
     def _keys(x, KW: tl.constexpr, INF: tl.constexpr):
         """Integer ordering key of |x| (NaN clamped to +Inf's key)."""
+        return tl.minimum(_rawkey(x, KW), INF)
+
+    @triton.jit
+    def _add(x, g):
+        """``x + g`` rounded once to ``x``'s dtype. 16-bit floats add in float32, which is exact before that
+        one rounding (24 >= 2 * 11 + 2 bits, so no double-rounding error), as torch does it. The float32 ->
+        bfloat16 rounding (to nearest, ties to even; NaN stays NaN) is done on the bits, which is what the
+        GPU's conversion does and what the Triton interpreter's conversion (truncating) does not."""
+        if x.dtype == tl.bfloat16:
+            s = x.to(tl.float32) + g.to(tl.float32)
+            bits = s.to(tl.int32, bitcast=True)
+            mag = bits & 0x7FFFFFFF
+            r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+            r = tl.where(mag > 0x7F800000, 0x7FC0, r)  # NaN
+            r = r | ((bits >> 16) & 0x8000)
+            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif x.dtype == tl.float16:
+            return (x.to(tl.float32) + g.to(tl.float32)).to(tl.float16)
+        else:
+            return x + g
+
+    @triton.jit
+    def _rawkey(x, KW: tl.constexpr):
+        """Bits of |x| as a non-negative integer (NaN above +Inf), no float arithmetic."""
         if KW == 16:
             b = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
         elif KW == 32:
             b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         else:
             b = x.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
-        return tl.minimum(b, INF)
+        return b
 
     @triton.jit
     def _candidates(prefix, shift, R: tl.constexpr):
@@ -174,7 +199,7 @@ if triton is not None:
             m = fmask[:, None] & jm[None, :]
             x = tl.load(a_ptr + off, mask=m, other=0.0)
             if HAS_GRAD:
-                x = x + tl.load(g_ptr + off, mask=m, other=0.0)
+                x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
             key = tl.where(m, _keys(x, KW, INF), -1)
             for r in range(ROUNDS):
                 shift = KEY_BITS - RB * (r + 1)
@@ -202,7 +227,7 @@ if triton is not None:
                     else:
                         off = fib[:, None] + jj[None, :].to(tl.int64) * cols
                     m = fmask[:, None] & (jj < L)[None, :]
-                    x = tl.load(a_ptr + off, mask=m, other=0.0) + tl.load(g_ptr + off, mask=m, other=0.0)
+                    x = _add(tl.load(a_ptr + off, mask=m, other=0.0), tl.load(g_ptr + off, mask=m, other=0.0))
                     tl.store(a_ptr + off, x, mask=m)
                 tl.debug_barrier()
             for r in range(ROUNDS):
@@ -247,45 +272,45 @@ if triton is not None:
                 out_seen += tl.sum(sel_i, axis=1)
 
     @triton.jit
-    def _replay(hist_ptr, rounds, k, KW: tl.constexpr, RB: tl.constexpr, KEY_BITS: tl.constexpr):
-        """Prefix and ``above`` after ``rounds`` rounds of a flat radix select, from the global histogram."""
-        R: tl.constexpr = 1 << RB
-        if KW == 64:
-            prefix = tl.zeros([1], dtype=tl.int64)
-        else:
-            prefix = tl.zeros([1], dtype=tl.int32)
-        above = tl.zeros([1], dtype=tl.int64)
-        d = tl.arange(0, R)
-        for r in range(rounds):
-            shift = KEY_BITS - RB * (r + 1)
-            cand, valid = _candidates(prefix, shift, R)
-            cnt = tl.load(hist_ptr + r * R + d)[None, :]
-            prefix, above = _choose(cnt, cand, valid, prefix, above, k)
-        return prefix, above
-
-    @triton.jit
-    def _radix_count_kernel(a_ptr, g_ptr, hist_ptr, n, k, rnd,
+    def _radix_count_kernel(a_ptr, g_ptr, hist_ptr, state_ptr, n, rnd,
                             HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
                             KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        """One round of the flat radix select: add this block's candidate counts to ``hist[rnd]``."""
         R: tl.constexpr = 1 << RB
         pid = tl.program_id(0)
         off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = off < n
         x = tl.load(a_ptr + off, mask=m, other=0.0)
         if HAS_GRAD:
-            x = x + tl.load(g_ptr + off, mask=m, other=0.0)
+            x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
             tl.store(a_ptr + off, x, mask=m)
         key = tl.where(m, _keys(x, KW, INF), -1)
-        prefix, above = _replay(hist_ptr, rnd, k, KW, RB, KEY_BITS)
-        shift = KEY_BITS - RB * (rnd + 1)
-        cand, valid = _candidates(prefix, shift, R)
-        cnt = tl.sum((key[:, None] >= cand), axis=0).to(tl.int64)  # [R]
+        prefix = tl.load(state_ptr + tl.arange(0, 1))
+        if KW != 64:
+            prefix = prefix.to(tl.int32)
+        cand, valid = _candidates(prefix, KEY_BITS - RB * (rnd + 1), R)
+        cnt = tl.sum((key[:, None] >= cand).to(tl.int64), axis=0)  # [R]
         d = tl.arange(0, R)
         vrow = tl.sum(valid.to(tl.int32), axis=0) > 0
         tl.atomic_add(hist_ptr + rnd * R + d, cnt, mask=vrow & (cnt > 0))
 
     @triton.jit
-    def _flat_pred(x, off, pid, t_ptr, hist_ptr, k, cols,
+    def _radix_step_kernel(hist_ptr, state_ptr, k, rnd, RB: tl.constexpr, KEY_BITS: tl.constexpr,
+                           KW: tl.constexpr):
+        """One program: fold round ``rnd``'s histogram into the state (prefix, #keys above the range)."""
+        R: tl.constexpr = 1 << RB
+        prefix = tl.load(state_ptr + tl.arange(0, 1))
+        if KW != 64:
+            prefix = prefix.to(tl.int32)
+        above = tl.load(state_ptr + 1 + tl.arange(0, 1))
+        cand, valid = _candidates(prefix, KEY_BITS - RB * (rnd + 1), R)
+        cnt = tl.load(hist_ptr + rnd * R + tl.arange(0, R))[None, :]
+        prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+        tl.store(state_ptr + tl.arange(0, 1), prefix.to(tl.int64))
+        tl.store(state_ptr + 1 + tl.arange(0, 1), above)
+
+    @triton.jit
+    def _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols,
                    MODE: tl.constexpr, AXIS: tl.constexpr, RB: tl.constexpr, KEY_BITS: tl.constexpr,
                    KW: tl.constexpr, INF: tl.constexpr):
         """(sure, tie) masks of one block: ``sure`` entries are kept; ``tie`` ones compete by index order.
@@ -294,54 +319,54 @@ if triton is not None:
         3: |x| >= t (count_at_least: NaN not counted)."""
         key = _keys(x, KW, INF)
         if MODE == 0:
-            prefix, above = _replay(hist_ptr, KEY_BITS // RB, k, KW, RB, KEY_BITS)
-            sure = key > prefix
-            tie = key == prefix
+            thr = tl.load(state_ptr)  # T, from the radix rounds
+            sure = key > thr
+            tie = key == thr
         else:
+            # Integer keys only (|x| >= t <=> rawkey(x) >= rawkey(t) for t >= 0; the wrapper clamps t >= 0).
             if MODE == 2:
                 if AXIS == 1:
                     fib = off // cols
                 else:
                     fib = off % cols
-                t = tl.load(t_ptr + fib)
+                tkey = _rawkey(tl.load(t_ptr + fib), KW)
             else:
-                t = tl.load(t_ptr)
-            ax = tl.abs(x)
+                tkey = _rawkey(tl.load(t_ptr), KW)
+            raw = _rawkey(x, KW)
             if MODE == 3:
-                sure = ax >= t
+                sure = (raw >= tkey) & (raw <= INF)  # NaN never counts
             else:
-                sure = (ax >= t) | (key >= INF)
+                sure = (raw >= tkey) | (raw >= INF)  # non-finite always kept
             tie = key < 0  # none: keys are >= 0
         return sure, tie
 
     @triton.jit
-    def _flat_count_kernel(a_ptr, t_ptr, hist_ptr, cnt_ptr, n, k, cols,
+    def _flat_count_kernel(a_ptr, t_ptr, state_ptr, cnt_ptr, n, k, cols,
                            MODE: tl.constexpr, AXIS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
                            KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
         pid = tl.program_id(0)
         off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = off < n
         x = tl.load(a_ptr + off, mask=m, other=0.0)
-        sure, tie = _flat_pred(x, off, pid, t_ptr, hist_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
+        sure, tie = _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
         tl.store(cnt_ptr + 2 * pid, tl.sum((sure & m).to(tl.int64), axis=0))
         tl.store(cnt_ptr + 2 * pid + 1, tl.sum((tie & m).to(tl.int64), axis=0))
 
     @triton.jit
-    def _flat_write_kernel(a_ptr, t_ptr, hist_ptr, start_ptr, val_ptr, idx_ptr, n, k, cols,
+    def _flat_write_kernel(a_ptr, t_ptr, state_ptr, start_ptr, val_ptr, idx_ptr, n, k, cols,
                            MODE: tl.constexpr, AXIS: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr,
                            RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
         pid = tl.program_id(0)
         off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = off < n
         x = tl.load(a_ptr + off, mask=m, other=0.0)
-        sure, tie = _flat_pred(x, off, pid, t_ptr, hist_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
+        sure, tie = _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
         sure = sure & m
         tie = tie & m
         sure_before = tl.load(start_ptr + 2 * pid)  # exclusive prefix sums over blocks
         tie_before = tl.load(start_ptr + 2 * pid + 1)
         if MODE == 0:
-            prefix, above = _replay(hist_ptr, KEY_BITS // RB, k, KW, RB, KEY_BITS)
-            need = k - tl.sum(above, axis=0)
+            need = k - tl.load(state_ptr + 1)  # ties to take: k - #(keys > T)
         else:
             need = 0
         tie_rank = tie_before + tl.cumsum(tie.to(tl.int64), axis=0)  # 1-based among all ties
@@ -387,7 +412,7 @@ def _fiber_config(L: int, n_fibers: int, axis: int):
         return 1, 512, False, RB_STREAM, 4
     # Column fibers: FB neighbouring columns per program, contiguous along FB.
     fb = max(16, min(64, _pow2(n_fibers)))
-    if L * fb <= 4096:
+    if L * fb <= ONE_PASS_MAX:
         return fb, max(16, _pow2(L)), True, RB_RESIDENT, 4
     return fb, 32, False, RB_STREAM, 4
 
@@ -429,13 +454,17 @@ def _flat_select(a: torch.Tensor, mode: int, t: Optional[torch.Tensor], hist: Op
                  cols: int = 1, axis: int = 1, zero: bool = False, known_total: Optional[int] = None,
                  rb: int = RB_STREAM):
     n = a.numel()
+    if n == 0:
+        if mode == 3:
+            return torch.zeros(2, dtype=torch.int64, device=a.device)
+        return torch.empty(0, dtype=a.dtype, device=a.device), torch.empty(0, dtype=torch.int64, device=a.device)
     kw, key_bits, inf = _key_params(a.dtype, rb)
     nblocks = triton.cdiv(n, FLAT_BLOCK)
     dummy = a if t is None else t
-    hist_arg = hist if hist is not None else torch.zeros(1, dtype=torch.int64, device=a.device)
+    state_arg = hist if hist is not None else torch.zeros(1, dtype=torch.int64, device=a.device)
     counts = torch.empty(2 * nblocks, dtype=torch.int64, device=a.device)
     meta = dict(MODE=mode, AXIS=axis, BLOCK=FLAT_BLOCK, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf)
-    _flat_count_kernel[(nblocks,)](a, dummy, hist_arg, counts, n, k, cols, **meta)
+    _flat_count_kernel[(nblocks,)](a, dummy, state_arg, counts, n, k, cols, **meta)
     if mode == 3:
         return counts
     starts = torch.zeros_like(counts)
@@ -445,7 +474,7 @@ def _flat_select(a: torch.Tensor, mode: int, t: Optional[torch.Tensor], hist: Op
     values = torch.empty(total, dtype=a.dtype, device=a.device)
     flat = torch.empty(total, dtype=torch.int64, device=a.device)
     if total > 0 or zero:
-        _flat_write_kernel[(nblocks,)](a, dummy, hist_arg, starts, values, flat, n, k, cols, ZERO=bool(zero),
+        _flat_write_kernel[(nblocks,)](a, dummy, state_arg, starts, values, flat, n, k, cols, ZERO=bool(zero),
                                        **meta)
     return values, flat
 
@@ -466,17 +495,21 @@ def topk_select(a: torch.Tensor, k: int, grad: Optional[torch.Tensor] = None,
     kw, key_bits, inf = _key_params(a.dtype, rb)
     rounds = key_bits // rb
     hist = torch.zeros(rounds * (1 << rb), dtype=torch.int64, device=a.device)
+    state = torch.zeros(2, dtype=torch.int64, device=a.device)  # (prefix, #keys above the prefix's range)
     nblocks = triton.cdiv(n, FLAT_BLOCK)
     for r in range(rounds):
         has_grad = grad is not None and r == 0
-        _radix_count_kernel[(nblocks,)](a, grad if has_grad else a, hist, n, k, r, HAS_GRAD=has_grad,
+        _radix_count_kernel[(nblocks,)](a, grad if has_grad else a, hist, state, n, r, HAS_GRAD=has_grad,
                                         BLOCK=FLAT_BLOCK, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf)
-    return _flat_select(a, 0, None, hist, k, zero=zero_sent, known_total=k, rb=rb)
+        _radix_step_kernel[(1,)](hist, state, k, r, RB=rb, KEY_BITS=key_bits, KW=kw)
+    return _flat_select(a, 0, None, state, k, zero=zero_sent, known_total=k, rb=rb)
 
 
 def _threshold_tensor(t, a: torch.Tensor) -> torch.Tensor:
     """``t`` rounded to ``a``'s dtype (the comparison happens in ``a``'s dtype, as in ``selection.py``)."""
-    return torch.as_tensor(t, dtype=torch.float64).to(device=a.device, dtype=a.dtype).reshape(-1).contiguous()
+    t = torch.as_tensor(t, dtype=torch.float64).to(a.device)
+    t = torch.where(t < 0, torch.zeros_like(t), t)  # |a| >= negative t <=> |a| >= 0 (NaN excluded either way)
+    return t.to(a.dtype).reshape(-1).contiguous()
 
 
 def threshold_select(a: torch.Tensor, t) -> Tuple[torch.Tensor, torch.Tensor]:
