@@ -398,6 +398,9 @@ ONE_PASS_MAX = 4096
 #: (memory/L2 bound: 4 bits, 16 candidates, a quarter of the passes).
 RB_RESIDENT = 1
 RB_STREAM = 4
+#: Long column fibers (streamed, axis 0) in fewer program blocks than this are selected on a transposed
+#: contiguous copy instead (one program per fiber: more parallelism when there are few columns).
+COLUMN_MIN_PROGRAMS = 264
 #: Elements per program of the flat kernels.
 FLAT_BLOCK = 1024
 
@@ -414,7 +417,8 @@ def _fiber_config(L: int, n_fibers: int, axis: int):
     fb = max(16, min(64, _pow2(n_fibers)))
     if L * fb <= ONE_PASS_MAX:
         return fb, max(16, _pow2(L)), True, RB_RESIDENT, 4
-    return fb, 32, False, RB_STREAM, 4
+    fb = min(fb, 32)
+    return fb, 16, False, RB_STREAM, 4
 
 
 def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad: Optional[torch.Tensor] = None,
@@ -442,6 +446,15 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
     if n_fibers == 0:
         return values, local
     fb, block, one_pass, rb, warps = _fiber_config(L, n_fibers, axis)
+    if axis == 0 and not one_pass and triton.cdiv(n_fibers, fb) < COLUMN_MIN_PROGRAMS:
+        # Few long columns: a transposed copy gives one program per fiber (grad add and zeroing on a).
+        if grad is not None:
+            a.add_(grad.view_as(a))
+        t = a.view(rows, cols).t().contiguous()
+        values, local = adtopk_select(t, cols, rows, 1, k)
+        if zero_sent:
+            a.view(rows, cols).t().scatter_(1, local, 0)
+        return values, local
     kw, key_bits, inf = _key_params(a.dtype, rb)
     grid = (triton.cdiv(n_fibers, fb),)
     _fiber_topk_kernel[grid](a, grad if grad is not None else a, values, local, n_fibers, L, cols, k,

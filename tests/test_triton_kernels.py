@@ -97,10 +97,13 @@ def test_adtopk_matches_reference(dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("axis", [0, 1, "0-transposed"])
 def test_adtopk_streamed_fibers(monkeypatch, dtype, axis):
-    """Fibers longer than one tile: several passes over memory, in chunks (and a partial last chunk)."""
+    """Fibers longer than one tile: several passes over memory, in chunks (and a partial last chunk).
+    Long columns go through the strided column kernel, or a transposed copy when there are few of them."""
     monkeypatch.setattr(tk, "ONE_PASS_MAX", 16)
+    monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 1000 if axis == "0-transposed" else 0)
+    axis = 0 if axis == "0-transposed" else axis
     rows, cols = (3, 70) if axis == 1 else (70, 3)
     for k in (1, 9, 70):
         a = _randn((rows, cols), dtype, seed=k).to(DEVICE)
@@ -121,6 +124,7 @@ def test_adtopk_long_row_default_config():
 def test_adtopk_ties_and_nonfinite(monkeypatch, stream, axis):
     if stream:
         monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+        monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0)
     g = torch.Generator().manual_seed(3)
     rows, cols = (5, 24) if axis == 1 else (24, 5)
     a = torch.randint(-2, 3, (rows, cols), generator=g).to(torch.float32)  # many ties, zeros
@@ -145,6 +149,7 @@ def test_adtopk_ties_and_nonfinite(monkeypatch, stream, axis):
 def test_adtopk_fused_grad_and_zero_sent(monkeypatch, dtype, stream, axis):
     if stream:
         monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+        monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0 if dtype != torch.float16 else 1000)
     rows, cols, k = 6, 21, 4
     res = _randn((rows, cols), dtype, seed=11).to(DEVICE)
     grad = _randn((rows, cols), dtype, seed=12).to(DEVICE)
