@@ -31,8 +31,11 @@ Kernels
   streamed in ``BLOCK`` chunks once per round (a fiber of a running program stays in L2 between rounds).
   Row fibers (axis 1) use tiles ``[FB, BLOCK]`` contiguous along the fiber; column fibers (axis 0) use
   ``FB`` neighbouring columns per program, contiguous along the fiber-block dimension, so each load of a
-  tile reads whole rows segments (coalesced), no transposed copy. The error-feedback add ``a += grad`` is
-  fused into the first read.
+  tile reads contiguous row segments (coalesced), no transposed copy. Exception: long columns that would
+  give fewer than ``COLUMN_MIN_PROGRAMS`` programs (e.g. a BERT embedding [30522, 768], 768 columns) are
+  selected on a transposed contiguous copy, one program per fiber, for parallelism (the grad add and the
+  zeroing then run as torch ops on ``a``). The error-feedback add ``a += grad`` is fused into the first
+  read (streamed fibers: a separate first pass that writes ``a`` back).
 - Flat (global) selection, all programs together: per round, ``_radix_count_kernel`` counts the
   candidates of every block and adds them to a global histogram with integer atomics (exact and
   order-independent, hence deterministic), then a one-program ``_radix_step_kernel`` folds the histogram
