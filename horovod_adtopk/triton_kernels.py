@@ -1,0 +1,560 @@
+"""Triton kernels for the selection rules on CUDA tensors (ADTopk, global top-k, thresholds).
+
+The public functions take contiguous tensors of dtype float16 / bfloat16 / float32 / float64. On a CUDA
+device they run compiled Triton kernels; CPU tensors work only under the Triton interpreter
+(``TRITON_INTERPRET=1`` set before this module is imported), which is how CI tests them. Importing this
+module never fails: :func:`available` says whether Triton is importable, and every function raises a
+``RuntimeError`` when it is not (callers fall back to ``torch.topk``).
+
+Ordering keys
+-------------
+Selection ranks ``|a|``. The bit pattern of a non-negative IEEE float, read as an integer, orders like
+the float itself, so every kernel works on the integer key ``bits(a) & 0x7f..f`` (the sign bit cleared),
+clamped to the bits of +Inf. NaN therefore ties with +-Inf, and both rank above every finite magnitude,
+as in ``tests/reference.py``. Keys are int32 for 16- and 32-bit floats, int64 for float64.
+
+Exact k-th largest key (radix select)
+-------------------------------------
+The k-th largest key ``T`` of a fiber is found digit by digit from the most significant bit, ``RB`` bits
+per round: with the digits above fixed (``prefix``), one pass counts, for every candidate
+``c_d = prefix + d << shift`` (``d = 0 .. 2**RB - 1``), how many keys are ``>= c_d``; the largest ``c_d``
+whose count is still ``>= k`` becomes the new prefix. After ``KEY_BITS / RB`` rounds the prefix is ``T``,
+and ``above`` (kept along the way: the count of keys ``>=`` the first candidate that failed) is the number
+of keys strictly greater than ``T``. The write pass then keeps every key ``> T`` and the first
+``k - above`` keys ``== T`` in index order (ties go to lower indices, deterministically), compacting the
+kept entries with a prefix sum, so positions come out ascending.
+
+Kernels
+-------
+- ``_fiber_topk_kernel``: one program per block of ``FB`` fibers. A fiber that fits in ``BLOCK`` is read
+  from memory once (the whole fiber stays in registers for all rounds and the write); longer fibers are
+  streamed in ``BLOCK`` chunks once per round (a fiber of a running program stays in L2 between rounds).
+  Row fibers (axis 1) use tiles ``[FB, BLOCK]`` contiguous along the fiber; column fibers (axis 0) use
+  ``FB`` neighbouring columns per program, contiguous along the fiber-block dimension, so each load of a
+  tile reads contiguous row segments (coalesced), no transposed copy. Exception: long columns that would
+  give fewer than ``COLUMN_MIN_PROGRAMS`` programs (e.g. a BERT embedding [30522, 768], 768 columns) are
+  selected on a transposed contiguous copy, one program per fiber, for parallelism (the grad add and the
+  zeroing then run as torch ops on ``a``). The error-feedback add ``a += grad`` is fused into the first
+  read (streamed fibers: a separate first pass that writes ``a`` back).
+- Flat (global) selection, all programs together: per round, ``_radix_count_kernel`` counts the
+  candidates of every block and adds them to a global histogram with integer atomics (exact and
+  order-independent, hence deterministic), then a one-program ``_radix_step_kernel`` folds the histogram
+  into the device-side state (prefix, count above), so the rounds need no host synchronisation. Then
+  ``_flat_count_kernel`` counts the kept entries per block, ``torch.cumsum`` turns those counts into output
+  offsets, and ``_flat_write_kernel`` writes values and flat indices in ascending order. The same
+  count / scan / write
+  pair serves the threshold rules and :func:`count_at_least`.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+
+try:  # Triton is optional: the package falls back to torch.topk without it.
+    import triton
+    import triton.language as tl
+    _IMPORT_ERROR: Optional[BaseException] = None
+except Exception as exc:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+    _IMPORT_ERROR = exc
+
+__all__ = ["available", "interpreted", "adtopk_select", "topk_select", "threshold_select",
+           "fiber_threshold_select", "count_at_least"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: (key width in bits of the float, significant key bits, +Inf bit pattern) per dtype.
+_KEYINFO = {
+    torch.float16: (16, 15, 0x7C00),
+    torch.bfloat16: (16, 15, 0x7F80),
+    torch.float32: (32, 31, 0x7F800000),
+    torch.float64: (64, 63, 0x7FF0000000000000),
+}
+
+
+def available() -> bool:
+    """True when Triton can be imported (CUDA tensors then run compiled kernels)."""
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """True when this module's kernels were built for the Triton interpreter (``TRITON_INTERPRET=1`` at
+    import time): they then run on CPU tensors."""
+    return triton is not None and _INTERPRETED
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _check(a: torch.Tensor, name: str = "a") -> None:
+    if triton is None:
+        raise RuntimeError(f"horovod_adtopk.triton_kernels needs Triton, which could not be imported "
+                           f"({_IMPORT_ERROR!r}); use torch.topk instead")
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
+    if a.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {a.dtype}")
+    if not a.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if a.device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError("CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing "
+                           "horovod_adtopk.triton_kernels (or pass CUDA tensors)")
+    if a.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"unsupported device {a.device}")
+
+
+def _check_grad(a: torch.Tensor, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if grad is None:
+        return None
+    if grad.numel() != a.numel() or grad.device != a.device:
+        raise ValueError(f"grad must have a's numel ({a.numel()}) and device ({a.device}), "
+                         f"got {grad.numel()} on {grad.device}")
+    if grad.dtype != a.dtype:
+        grad = grad.to(a.dtype)
+    return grad.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _keys(x, KW: tl.constexpr, INF: tl.constexpr):
+        """Integer ordering key of |x| (NaN clamped to +Inf's key)."""
+        return tl.minimum(_rawkey(x, KW), INF)
+
+    @triton.jit
+    def _add(x, g):
+        """``x + g`` rounded once to ``x``'s dtype. 16-bit floats add in float32, which is exact before that
+        one rounding (24 >= 2 * 11 + 2 bits, so no double-rounding error), as torch does it. The float32 ->
+        bfloat16 rounding (to nearest, ties to even; NaN stays NaN) is done on the bits, which is what the
+        GPU's conversion does and what the Triton interpreter's conversion (truncating) does not."""
+        if x.dtype == tl.bfloat16:
+            s = x.to(tl.float32) + g.to(tl.float32)
+            bits = s.to(tl.int32, bitcast=True)
+            mag = bits & 0x7FFFFFFF
+            r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+            r = tl.where(mag > 0x7F800000, 0x7FC0, r)  # NaN
+            r = r | ((bits >> 16) & 0x8000)
+            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        elif x.dtype == tl.float16:
+            return (x.to(tl.float32) + g.to(tl.float32)).to(tl.float16)
+        else:
+            return x + g
+
+    @triton.jit
+    def _rawkey(x, KW: tl.constexpr):
+        """Bits of |x| as a non-negative integer (NaN above +Inf), no float arithmetic."""
+        if KW == 16:
+            b = x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+        elif KW == 32:
+            b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        else:
+            b = x.to(tl.int64, bitcast=True) & 0x7FFFFFFFFFFFFFFF
+        return b
+
+    @triton.jit
+    def _candidates(prefix, shift, R: tl.constexpr):
+        """``[FB, R]`` candidates ``prefix + d << shift`` and whether each is valid (did not overflow)."""
+        d = tl.arange(0, R).to(prefix.dtype)
+        cand = prefix[:, None] + (d[None, :] << shift)
+        valid = cand >= prefix[:, None]
+        return cand, valid
+
+    @triton.jit
+    def _choose(cnt, cand, valid, prefix, above, k):
+        """One radix round: the largest candidate with count >= k becomes the prefix."""
+        cnt = tl.where(valid, cnt, 0)
+        ok = cnt >= k
+        new_prefix = tl.max(tl.where(ok, cand, 0), axis=1).to(prefix.dtype)
+        new_prefix = tl.maximum(new_prefix, prefix)
+        new_above = tl.maximum(above, tl.max(tl.where(ok, -1, cnt), axis=1).to(above.dtype))
+        return new_prefix, new_above
+
+    @triton.jit
+    def _fiber_topk_kernel(a_ptr, g_ptr, val_ptr, idx_ptr, n_fibers, L, cols, k,
+                           AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
+                           FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                           RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        pid = tl.program_id(0)
+        fib = (pid * FB + tl.arange(0, FB)).to(tl.int64)
+        fmask = fib < n_fibers
+        j = tl.arange(0, BLOCK)
+        R: tl.constexpr = 1 << RB
+        ROUNDS: tl.constexpr = KEY_BITS // RB
+        if KW == 64:
+            prefix = tl.zeros([FB], dtype=tl.int64)
+        else:
+            prefix = tl.zeros([FB], dtype=tl.int32)
+        above = tl.zeros([FB], dtype=tl.int32)
+
+        if ONE_PASS:
+            # The whole fiber fits in one tile: read it once, keep it in registers.
+            jm = j < L
+            if AXIS == 1:
+                off = fib[:, None] * cols + j[None, :]
+            else:
+                off = fib[:, None] + j[None, :].to(tl.int64) * cols
+            m = fmask[:, None] & jm[None, :]
+            x = tl.load(a_ptr + off, mask=m, other=0.0)
+            if HAS_GRAD:
+                x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
+            key = tl.where(m, _keys(x, KW, INF), -1)
+            for r in range(ROUNDS):
+                shift = KEY_BITS - RB * (r + 1)
+                cand, valid = _candidates(prefix, shift, R)
+                cnt = tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
+                prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+            need = k - above
+            eq = key == prefix[:, None]
+            eq_rank = tl.cumsum(eq.to(tl.int32), axis=1)
+            sel = (key > prefix[:, None]) | (eq & (eq_rank <= need[:, None]))
+            pos = tl.cumsum(sel.to(tl.int32), axis=1) - 1
+            out = fib[:, None] * k + pos
+            tl.store(val_ptr + out, x, mask=sel)
+            tl.store(idx_ptr + out, (j[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)).to(tl.int64), mask=sel)
+            if ZERO:
+                tl.store(a_ptr + off, tl.where(sel, 0.0, x).to(x.dtype), mask=m)
+            elif HAS_GRAD:
+                tl.store(a_ptr + off, x, mask=m)
+        else:
+            if HAS_GRAD:
+                for c in range(0, L, BLOCK):
+                    jj = c + j
+                    if AXIS == 1:
+                        off = fib[:, None] * cols + jj[None, :]
+                    else:
+                        off = fib[:, None] + jj[None, :].to(tl.int64) * cols
+                    m = fmask[:, None] & (jj < L)[None, :]
+                    x = _add(tl.load(a_ptr + off, mask=m, other=0.0), tl.load(g_ptr + off, mask=m, other=0.0))
+                    tl.store(a_ptr + off, x, mask=m)
+                tl.debug_barrier()
+            for r in range(ROUNDS):
+                shift = KEY_BITS - RB * (r + 1)
+                cand, valid = _candidates(prefix, shift, R)
+                cnt = tl.zeros([FB, R], dtype=tl.int32)
+                for c in range(0, L, BLOCK):
+                    jj = c + j
+                    if AXIS == 1:
+                        off = fib[:, None] * cols + jj[None, :]
+                    else:
+                        off = fib[:, None] + jj[None, :].to(tl.int64) * cols
+                    m = fmask[:, None] & (jj < L)[None, :]
+                    x = tl.load(a_ptr + off, mask=m, other=0.0)
+                    key = tl.where(m, _keys(x, KW, INF), -1)
+                    cnt += tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
+                prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+            need = k - above
+            eq_seen = tl.zeros([FB], dtype=tl.int32)
+            out_seen = tl.zeros([FB], dtype=tl.int32)
+            for c in range(0, L, BLOCK):
+                jj = c + j
+                if AXIS == 1:
+                    off = fib[:, None] * cols + jj[None, :]
+                else:
+                    off = fib[:, None] + jj[None, :].to(tl.int64) * cols
+                m = fmask[:, None] & (jj < L)[None, :]
+                x = tl.load(a_ptr + off, mask=m, other=0.0)
+                key = tl.where(m, _keys(x, KW, INF), -1)
+                eq = key == prefix[:, None]
+                eq_rank = eq_seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+                sel = (key > prefix[:, None]) | (eq & (eq_rank <= need[:, None]))
+                sel_i = sel.to(tl.int32)
+                pos = out_seen[:, None] + tl.cumsum(sel_i, axis=1) - 1
+                out = fib[:, None] * k + pos
+                tl.store(val_ptr + out, x, mask=sel)
+                tl.store(idx_ptr + out, (jj[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)).to(tl.int64),
+                         mask=sel)
+                if ZERO:
+                    tl.store(a_ptr + off, tl.zeros([FB, BLOCK], dtype=x.dtype), mask=sel)
+                eq_seen += tl.sum(eq.to(tl.int32), axis=1)
+                out_seen += tl.sum(sel_i, axis=1)
+
+    @triton.jit
+    def _radix_count_kernel(a_ptr, g_ptr, hist_ptr, state_ptr, n, rnd,
+                            HAS_GRAD: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
+                            KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        """One round of the flat radix select: add this block's candidate counts to ``hist[rnd]``."""
+        R: tl.constexpr = 1 << RB
+        pid = tl.program_id(0)
+        off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = off < n
+        x = tl.load(a_ptr + off, mask=m, other=0.0)
+        if HAS_GRAD:
+            x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
+            tl.store(a_ptr + off, x, mask=m)
+        key = tl.where(m, _keys(x, KW, INF), -1)
+        prefix = tl.load(state_ptr + tl.arange(0, 1))
+        if KW != 64:
+            prefix = prefix.to(tl.int32)
+        cand, valid = _candidates(prefix, KEY_BITS - RB * (rnd + 1), R)
+        cnt = tl.sum((key[:, None] >= cand).to(tl.int64), axis=0)  # [R]
+        d = tl.arange(0, R)
+        vrow = tl.sum(valid.to(tl.int32), axis=0) > 0
+        tl.atomic_add(hist_ptr + rnd * R + d, cnt, mask=vrow & (cnt > 0))
+
+    @triton.jit
+    def _radix_step_kernel(hist_ptr, state_ptr, k, rnd, RB: tl.constexpr, KEY_BITS: tl.constexpr,
+                           KW: tl.constexpr):
+        """One program: fold round ``rnd``'s histogram into the state (prefix, #keys above the range)."""
+        R: tl.constexpr = 1 << RB
+        prefix = tl.load(state_ptr + tl.arange(0, 1))
+        if KW != 64:
+            prefix = prefix.to(tl.int32)
+        above = tl.load(state_ptr + 1 + tl.arange(0, 1))
+        cand, valid = _candidates(prefix, KEY_BITS - RB * (rnd + 1), R)
+        cnt = tl.load(hist_ptr + rnd * R + tl.arange(0, R))[None, :]
+        prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+        tl.store(state_ptr + tl.arange(0, 1), prefix.to(tl.int64))
+        tl.store(state_ptr + 1 + tl.arange(0, 1), above)
+
+    @triton.jit
+    def _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols,
+                   MODE: tl.constexpr, AXIS: tl.constexpr, RB: tl.constexpr, KEY_BITS: tl.constexpr,
+                   KW: tl.constexpr, INF: tl.constexpr):
+        """(sure, tie) masks of one block: ``sure`` entries are kept; ``tie`` ones compete by index order.
+
+        MODE 0: top-k (keys > T sure, == T ties); 1: |x| >= t or non-finite; 2: per-fiber thresholds;
+        3: |x| >= t (count_at_least: NaN not counted)."""
+        key = _keys(x, KW, INF)
+        if MODE == 0:
+            thr = tl.load(state_ptr)  # T, from the radix rounds
+            sure = key > thr
+            tie = key == thr
+        else:
+            # Integer keys only (|x| >= t <=> rawkey(x) >= rawkey(t) for t >= 0; the wrapper clamps t >= 0).
+            if MODE == 2:
+                if AXIS == 1:
+                    fib = off // cols
+                else:
+                    fib = off % cols
+                tkey = _rawkey(tl.load(t_ptr + fib), KW)
+            else:
+                tkey = _rawkey(tl.load(t_ptr), KW)
+            raw = _rawkey(x, KW)
+            if MODE == 3:
+                sure = (raw >= tkey) & (raw <= INF)  # NaN never counts
+            else:
+                sure = (raw >= tkey) | (raw >= INF)  # non-finite always kept
+            tie = key < 0  # none: keys are >= 0
+        return sure, tie
+
+    @triton.jit
+    def _flat_count_kernel(a_ptr, t_ptr, state_ptr, cnt_ptr, n, k, cols,
+                           MODE: tl.constexpr, AXIS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr,
+                           KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        pid = tl.program_id(0)
+        off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = off < n
+        x = tl.load(a_ptr + off, mask=m, other=0.0)
+        sure, tie = _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
+        tl.store(cnt_ptr + 2 * pid, tl.sum((sure & m).to(tl.int64), axis=0))
+        tl.store(cnt_ptr + 2 * pid + 1, tl.sum((tie & m).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _flat_write_kernel(a_ptr, t_ptr, state_ptr, start_ptr, val_ptr, idx_ptr, n, k, cols,
+                           MODE: tl.constexpr, AXIS: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr,
+                           RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        pid = tl.program_id(0)
+        off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = off < n
+        x = tl.load(a_ptr + off, mask=m, other=0.0)
+        sure, tie = _flat_pred(x, off, pid, t_ptr, state_ptr, k, cols, MODE, AXIS, RB, KEY_BITS, KW, INF)
+        sure = sure & m
+        tie = tie & m
+        sure_before = tl.load(start_ptr + 2 * pid)  # exclusive prefix sums over blocks
+        tie_before = tl.load(start_ptr + 2 * pid + 1)
+        if MODE == 0:
+            need = k - tl.load(state_ptr + 1)  # ties to take: k - #(keys > T)
+        else:
+            need = 0
+        tie_rank = tie_before + tl.cumsum(tie.to(tl.int64), axis=0)  # 1-based among all ties
+        sel = sure | (tie & (tie_rank <= need))
+        taken_before = sure_before + tl.minimum(tie_before, need)  # ties taken by earlier blocks
+        pos = taken_before + tl.cumsum(sel.to(tl.int64), axis=0) - 1
+        tl.store(val_ptr + pos, x, mask=sel)
+        tl.store(idx_ptr + pos, off, mask=sel)
+        if ZERO:
+            tl.store(a_ptr + off, tl.zeros([BLOCK], dtype=x.dtype), mask=sel)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch helpers
+# ----------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _key_params(dtype: torch.dtype, rb: int):
+    kw, bits, inf = _KEYINFO[dtype]
+    key_bits = -(-bits // rb) * rb
+    return kw, key_bits, inf
+
+
+#: Longest fiber kept in registers (one memory pass); longer fibers are streamed.
+ONE_PASS_MAX = 4096
+#: Radix bits per round for resident fibers (compute bound: 1 bit, 2 candidates) and streamed ones
+#: (memory/L2 bound: 4 bits, 16 candidates, a quarter of the passes).
+RB_RESIDENT = 1
+RB_STREAM = 4
+#: Long column fibers (streamed, axis 0) in fewer program blocks than this are selected on a transposed
+#: contiguous copy instead (one program per fiber: more parallelism when there are few columns).
+COLUMN_MIN_PROGRAMS = 264
+#: Elements per program of the flat kernels.
+FLAT_BLOCK = 1024
+
+
+def _fiber_config(L: int, n_fibers: int, axis: int):
+    """(FB, BLOCK, ONE_PASS, RB, num_warps) for a fiber top-k launch."""
+    if axis == 1:
+        if L <= ONE_PASS_MAX:
+            block = max(16, _pow2(L))
+            fb = max(1, min(_pow2(n_fibers), 2048 // block))  # pack short fibers, ~2K elements a tile
+            return fb, block, True, RB_RESIDENT, 4 if fb * block <= 2048 else 8
+        return 1, 512, False, RB_STREAM, 4
+    # Column fibers: FB neighbouring columns per program, contiguous along FB.
+    fb = max(16, min(64, _pow2(n_fibers)))
+    if L * fb <= ONE_PASS_MAX:
+        return fb, max(16, _pow2(L)), True, RB_RESIDENT, 4
+    fb = min(fb, 32)
+    return fb, 16, False, RB_STREAM, 4
+
+
+def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad: Optional[torch.Tensor] = None,
+                  zero_sent: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-fiber exact top-``k`` of ``|a|`` with ``a`` viewed ``[rows, cols]`` (fibers: rows for ``axis=1``,
+    columns for ``axis=0``).
+
+    ``grad``: first ``a += grad`` in place (error feedback, fused into the first read). ``zero_sent``: set the
+    selected entries of ``a`` to 0 afterwards. Returns ``(values [num_fibers, k]`` in ``a``'s dtype,
+    ``local [num_fibers, k]`` int64 positions inside each fiber, ascending). NaN and +-Inf rank above every
+    finite magnitude; ties go to the lower position.
+    """
+    _check(a)
+    grad = _check_grad(a, grad)
+    rows, cols, axis, k = int(rows), int(cols), int(axis), int(k)
+    if axis not in (0, 1):
+        raise ValueError(f"axis must be 0 or 1, got {axis}")
+    if rows * cols != a.numel():
+        raise ValueError(f"rows * cols = {rows * cols} != a.numel() = {a.numel()}")
+    n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
+    if not 1 <= k <= L:
+        raise ValueError(f"k must be in [1, fiber_len={L}], got {k}")
+    values = torch.empty((n_fibers, k), dtype=a.dtype, device=a.device)
+    local = torch.empty((n_fibers, k), dtype=torch.int64, device=a.device)
+    if n_fibers == 0:
+        return values, local
+    fb, block, one_pass, rb, warps = _fiber_config(L, n_fibers, axis)
+    if axis == 0 and not one_pass and triton.cdiv(n_fibers, fb) < COLUMN_MIN_PROGRAMS:
+        # Few long columns: a transposed copy gives one program per fiber (grad add and zeroing on a).
+        if grad is not None:
+            a.add_(grad.view_as(a))
+        t = a.view(rows, cols).t().contiguous()
+        values, local = adtopk_select(t, cols, rows, 1, k)
+        if zero_sent:
+            a.view(rows, cols).t().scatter_(1, local, 0)
+        return values, local
+    kw, key_bits, inf = _key_params(a.dtype, rb)
+    grid = (triton.cdiv(n_fibers, fb),)
+    _fiber_topk_kernel[grid](a, grad if grad is not None else a, values, local, n_fibers, L, cols, k,
+                             AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
+                             ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, num_warps=warps)
+    return values, local
+
+
+def _flat_select(a: torch.Tensor, mode: int, t: Optional[torch.Tensor], hist: Optional[torch.Tensor], k: int,
+                 cols: int = 1, axis: int = 1, zero: bool = False, known_total: Optional[int] = None,
+                 rb: int = RB_STREAM):
+    n = a.numel()
+    if n == 0:
+        if mode == 3:
+            return torch.zeros(2, dtype=torch.int64, device=a.device)
+        return torch.empty(0, dtype=a.dtype, device=a.device), torch.empty(0, dtype=torch.int64, device=a.device)
+    kw, key_bits, inf = _key_params(a.dtype, rb)
+    nblocks = triton.cdiv(n, FLAT_BLOCK)
+    dummy = a if t is None else t
+    state_arg = hist if hist is not None else torch.zeros(1, dtype=torch.int64, device=a.device)
+    counts = torch.empty(2 * nblocks, dtype=torch.int64, device=a.device)
+    meta = dict(MODE=mode, AXIS=axis, BLOCK=FLAT_BLOCK, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf)
+    _flat_count_kernel[(nblocks,)](a, dummy, state_arg, counts, n, k, cols, **meta)
+    if mode == 3:
+        return counts
+    starts = torch.zeros_like(counts)
+    csum = counts.view(nblocks, 2).cumsum(0)
+    starts.view(nblocks, 2)[1:] = csum[:-1]
+    total = known_total if known_total is not None else int(csum[-1, 0])
+    values = torch.empty(total, dtype=a.dtype, device=a.device)
+    flat = torch.empty(total, dtype=torch.int64, device=a.device)
+    if total > 0 or zero:
+        _flat_write_kernel[(nblocks,)](a, dummy, state_arg, starts, values, flat, n, k, cols, ZERO=bool(zero),
+                                       **meta)
+    return values, flat
+
+
+def topk_select(a: torch.Tensor, k: int, grad: Optional[torch.Tensor] = None,
+                zero_sent: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact global top-``k`` of ``|a|`` over the flattened tensor: ``(values, flat)`` (flat int64 ascending).
+
+    Same ordering and tie rule as :func:`adtopk_select`; ``grad`` and ``zero_sent`` as there.
+    """
+    _check(a)
+    grad = _check_grad(a, grad)
+    n = a.numel()
+    k = int(k)
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, numel={n}], got {k}")
+    rb = RB_STREAM
+    kw, key_bits, inf = _key_params(a.dtype, rb)
+    rounds = key_bits // rb
+    hist = torch.zeros(rounds * (1 << rb), dtype=torch.int64, device=a.device)
+    state = torch.zeros(2, dtype=torch.int64, device=a.device)  # (prefix, #keys above the prefix's range)
+    nblocks = triton.cdiv(n, FLAT_BLOCK)
+    for r in range(rounds):
+        has_grad = grad is not None and r == 0
+        _radix_count_kernel[(nblocks,)](a, grad if has_grad else a, hist, state, n, r, HAS_GRAD=has_grad,
+                                        BLOCK=FLAT_BLOCK, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf)
+        _radix_step_kernel[(1,)](hist, state, k, r, RB=rb, KEY_BITS=key_bits, KW=kw)
+    return _flat_select(a, 0, None, state, k, zero=zero_sent, known_total=k, rb=rb)
+
+
+def _threshold_tensor(t, a: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to ``a``'s dtype (the comparison happens in ``a``'s dtype, as in ``selection.py``)."""
+    t = torch.as_tensor(t, dtype=torch.float64).to(a.device)
+    t = torch.where(t < 0, torch.zeros_like(t), t)  # |a| >= negative t <=> |a| >= 0 (NaN excluded either way)
+    return t.to(a.dtype).reshape(-1).contiguous()
+
+
+def threshold_select(a: torch.Tensor, t) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entries with ``|a| >= t`` plus every non-finite entry: ``(values, flat)``, flat int64 ascending."""
+    _check(a)
+    return _flat_select(a, 1, _threshold_tensor(t, a), None, 0)
+
+
+def fiber_threshold_select(a: torch.Tensor, rows: int, cols: int, axis: int,
+                           thresholds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entries whose ``|a|`` reaches their own fiber's threshold (``thresholds``: ``[num_fibers]``), plus
+    every non-finite entry: ``(values, flat)``, flat int64 ascending."""
+    _check(a)
+    rows, cols, axis = int(rows), int(cols), int(axis)
+    if axis not in (0, 1):
+        raise ValueError(f"axis must be 0 or 1, got {axis}")
+    if rows * cols != a.numel():
+        raise ValueError(f"rows * cols = {rows * cols} != a.numel() = {a.numel()}")
+    n_fibers = rows if axis == 1 else cols
+    thr = _threshold_tensor(thresholds, a)
+    if thr.numel() != n_fibers:
+        raise ValueError(f"thresholds must have num_fibers = {n_fibers} entries, got {thr.numel()}")
+    return _flat_select(a, 2, thr, None, 0, cols=cols, axis=axis)
+
+
+def count_at_least(a: torch.Tensor, t) -> int:
+    """Number of entries with ``|a| >= t`` (NaN never counts, as in ``(a.abs() >= t).sum()``)."""
+    _check(a)
+    if a.numel() == 0:
+        return 0
+    counts = _flat_select(a, 3, _threshold_tensor(t, a), None, 0)
+    return int(counts.view(-1, 2)[:, 0].sum())

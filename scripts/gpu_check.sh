@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# Device check for the Triton selection kernels (horovod_adtopk/triton_kernels.py).
+#
+# Needs one CUDA GPU with PyTorch + Triton; no Horovod, no network. Run from the repository root:
+#
+#     bash scripts/gpu_check.sh            # logs and JSON in ${OUT:-gpu_check_out}/
+#
+# Stages (each under its own timeout; a failed stage does not stop the next; the exit status is non-zero
+# if any stage failed), sized to finish within about 8 minutes:
+#   1. versions      nvidia-smi, python, torch, triton, the CUDA device
+#   2. tests         pytest tests/test_triton_kernels.py (and tests/test_kernels.py if present) on CUDA
+#   3. bench         CUDA-event timings (median of 20 after warm-up) on the largest tensors of ResNet-50,
+#                    VGG-16 and BERT-base at ratios 0.01 and 0.001: one read pass (a.sum()), ADTopk
+#                    Triton (fused with the grad add, and without), torch.topk per fiber on |a| (the
+#                    fallback), exact global torch.topk on the flattened |a|, and Triton's global top-k;
+#                    plus a check that Triton's per-fiber magnitudes equal torch.topk's. Table on stdout,
+#                    JSON in $OUT/bench.json.
+#
+# GPU_CHECK_DRY=1 runs only the benchmark stage on CPU tensors under the Triton interpreter with tiny
+# shapes (to check the script itself where there is no GPU).
+set -u
+
+OUT_DIR="${OUT:-gpu_check_out}"
+PY="${PYTHON:-python}"
+DRY="${GPU_CHECK_DRY:-0}"
+mkdir -p "$OUT_DIR"
+FAILED=""
+
+run_stage() {  # run_stage NAME SECONDS FUNCTION: log to $OUT_DIR/NAME.log, echo a summary, record failure
+    local name="$1" limit="$2" fn="$3"
+    echo "=== stage $name (timeout ${limit}s)"
+    local t0=$SECONDS
+    # timeout runs programs, not shell functions: run the exported function in a child bash.
+    timeout --kill-after=10 "$limit" bash -c "$fn" > "$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    tail -n 60 "$OUT_DIR/$name.log"
+    if [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 124 ] && echo "!!! stage $name timed out after ${limit}s"
+        echo "!!! stage $name failed (rc=$rc) after $((SECONDS - t0))s"
+        FAILED="$FAILED $name"
+    else
+        echo "=== stage $name ok in $((SECONDS - t0))s"
+    fi
+}
+
+versions() {
+    if command -v nvidia-smi > /dev/null 2>&1; then
+        nvidia-smi || true
+    else
+        echo "nvidia-smi: not found"
+    fi
+    "$PY" - <<'PYEOF'
+import platform
+import torch
+print("python", platform.python_version())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cuda available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0))
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:  # reported, and the tests stage will fail or skip
+    print("triton: not importable:", exc)
+try:
+    import horovod  # noqa: F401
+    print("horovod: importable (not used here)")
+except Exception:
+    print("horovod: not importable (not needed here)")
+PYEOF
+}
+
+run_tests() {
+    local files="tests/test_triton_kernels.py"
+    [ -f tests/test_kernels.py ] && files="$files tests/test_kernels.py"
+    # shellcheck disable=SC2086
+    "$PY" -m pytest -q -p no:cacheprovider $files
+}
+
+bench() {
+    OUT_DIR="$OUT_DIR" GPU_CHECK_DRY="$DRY" "$PY" - <<'PYEOF'
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+DRY = os.environ.get("GPU_CHECK_DRY", "0") == "1"
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+sys.path.insert(0, os.getcwd())
+
+import torch  # noqa: E402
+
+from horovod_adtopk import triton_kernels as tk  # noqa: E402  (no Horovod: the package __init__ is lazy)
+
+OUT_DIR = os.environ.get("OUT_DIR", "gpu_check_out")
+BUDGET_S = 150.0  # stop starting new shapes after this; the stage timeout is a little longer
+
+if DRY:
+    DEVICE = "cpu"
+    SHAPES = [("dry row fibers", (6, 40)), ("dry column fibers", (40, 3, 1, 2))]
+    RATIOS = [0.1, 0.01]
+    WARMUP, REPEATS = 0, 1
+else:
+    if not torch.cuda.is_available():
+        sys.exit("bench: CUDA is not available (set GPU_CHECK_DRY=1 for the CPU dry run)")
+    if not tk.available():
+        sys.exit("bench: Triton is not importable")
+    DEVICE = "cuda"
+    SHAPES = [
+        ("VGG-16 fc6", (4096, 25088)),
+        ("VGG-16 fc7", (4096, 4096)),
+        ("VGG-16 conv5 / ResNet-50 layer4 conv", (512, 512, 3, 3)),
+        ("ResNet-50 layer4 conv1x1", (2048, 512, 1, 1)),
+        ("ResNet-50 fc", (1000, 2048)),
+        ("BERT-base word embeddings", (30522, 768)),
+        ("BERT-base FFN in", (3072, 768)),
+        ("BERT-base FFN out", (768, 3072)),
+        ("BERT-base attention", (768, 768)),
+    ]
+    RATIOS = [0.01, 0.001]
+    WARMUP, REPEATS = 3, 20
+
+
+def timed(fn):
+    """Median milliseconds of REPEATS runs after WARMUP (CUDA events on the GPU)."""
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(REPEATS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def fiber_view(shape):
+    rows = shape[0]
+    cols = math.prod(shape[1:])
+    axis = 1 if cols >= rows else 0  # the package's axis="auto"
+    return rows, cols, axis
+
+
+results = []
+t_start = time.perf_counter()
+gen = torch.Generator(device=DEVICE).manual_seed(0)
+for name, shape in SHAPES:
+    if time.perf_counter() - t_start > BUDGET_S:
+        print(f"time budget reached, skipping {name} {shape}", flush=True)
+        continue
+    rows, cols, axis = fiber_view(shape)
+    n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
+    a = torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32)
+    g = torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32) * 1e-3
+    res = a.clone()
+    for ratio in RATIOS:
+        k = max(1, int(math.floor(ratio * L)))
+        kg = max(1, int(math.floor(ratio * a.numel())))
+        row = {"name": name, "shape": list(shape), "rows": rows, "cols": cols, "axis": axis,
+               "num_fibers": n_fibers, "fiber_len": L, "k": k, "global_k": kg, "ratio": ratio,
+               "numel": a.numel(), "device": DEVICE}
+
+        def fallback():
+            m = a.view(rows, cols)
+            if axis == 0:
+                m = m.t().contiguous()
+            return torch.topk(m.abs(), k, dim=1, sorted=False)
+
+        # Correctness on the real size: per-fiber magnitudes equal torch.topk's (ties may pick other
+        # positions, never other magnitudes).
+        values, local = tk.adtopk_select(a, rows, cols, axis, k)
+        want = fallback().values.sort(dim=1).values
+        got = values.abs().sort(dim=1).values
+        row["check_magnitudes_equal"] = bool(torch.equal(got, want))
+        row["check_local_ascending"] = bool(k == 1 or (local[:, 1:] > local[:, :-1]).all())
+        gv, gf = tk.topk_select(a, kg)
+        row["check_global_equal"] = bool(torch.equal(gv.abs().sort().values,
+                                                      torch.topk(a.abs(), kg, sorted=False).values.sort().values))
+        row["ms_read_pass"] = timed(lambda: a.sum())
+        row["ms_adtopk_triton_fused_grad"] = timed(lambda: tk.adtopk_select(res, rows, cols, axis, k, grad=g))
+        row["ms_adtopk_triton"] = timed(lambda: tk.adtopk_select(a, rows, cols, axis, k))
+        row["ms_torch_topk_per_fiber"] = timed(fallback)
+        row["ms_torch_topk_global"] = timed(lambda: torch.topk(a.abs(), kg, sorted=False))
+        row["ms_triton_topk_global"] = timed(lambda: tk.topk_select(a, kg))
+        row["read_GBps"] = a.numel() * 4 / (row["ms_read_pass"] * 1e-3) / 1e9
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+cols_ = [("read", "ms_read_pass"), ("adtopk+grad", "ms_adtopk_triton_fused_grad"), ("adtopk", "ms_adtopk_triton"),
+         ("topk/fiber", "ms_torch_topk_per_fiber"), ("topk global", "ms_torch_topk_global"),
+         ("triton global", "ms_triton_topk_global")]
+head = f"{'tensor':40s} {'shape':>20s} ax {'ratio':>6s} {'k':>5s} " + " ".join(f"{c:>13s}" for c, _ in cols_) + "  x read  ok"
+print()
+print("milliseconds, median of", REPEATS, "after", WARMUP, "warm-up runs;", DEVICE)
+print(head)
+for r in results:
+    ok = r["check_magnitudes_equal"] and r["check_local_ascending"] and r["check_global_equal"]
+    print(f"{r['name'][:40]:40s} {str(tuple(r['shape'])):>20s} {r['axis']:2d} {r['ratio']:6.3f} {r['k']:5d} "
+          + " ".join(f"{r[key]:13.3f}" for _, key in cols_)
+          + f"  {r['ms_adtopk_triton_fused_grad'] / r['ms_read_pass']:6.1f}  {'yes' if ok else 'NO'}")
+
+meta = {"torch": torch.__version__, "triton": __import__("triton").__version__, "device": DEVICE,
+        "device_name": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (interpreter dry run)",
+        "warmup": WARMUP, "repeats": REPEATS, "dtype": "float32"}
+os.makedirs(OUT_DIR, exist_ok=True)
+with open(os.path.join(OUT_DIR, "bench.json"), "w") as f:
+    json.dump({"meta": meta, "results": results}, f, indent=1)
+print("wrote", os.path.join(OUT_DIR, "bench.json"))
+bad = [r for r in results if not (r["check_magnitudes_equal"] and r["check_local_ascending"] and r["check_global_equal"])]
+if bad:
+    sys.exit(f"bench: {len(bad)} correctness check(s) failed")
+if not results:
+    sys.exit("bench: no shape was measured")
+PYEOF
+}
+
+export OUT_DIR PY DRY
+export -f versions run_tests bench
+
+if [ "$DRY" = "1" ]; then
+    echo "GPU_CHECK_DRY=1: benchmark stage only, CPU tensors under the Triton interpreter"
+    run_stage bench 300 bench
+else
+    run_stage versions 30 versions
+    run_stage tests 240 run_tests
+    run_stage bench 180 bench
+fi
+
+if [ -n "$FAILED" ]; then
+    echo "FAILED stages:$FAILED (logs in $OUT_DIR/)"
+    exit 1
+fi
+echo "all stages passed (logs in $OUT_DIR/)"
