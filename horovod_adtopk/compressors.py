@@ -745,3 +745,6 @@ class Compression(metaclass=_CompressionNamespace):
 
 def is_sparse(compression) -> bool:
     return isinstance(compression, SparseCompressor)
+
+
+from . import powersgd  # noqa: E402,F401  (registers PowerSGD, which builds on the classes above)

@@ -150,9 +150,10 @@ class SparseSender:
     """
 
     def __init__(self, compression: SparseCompressor, memory: Optional[ErrorFeedback], comm, stats: Stats,
-                 op, op_is_average: bool, prescale: float, postscale: float) -> None:
+                 op, sum_op, op_is_average: bool, prescale: float, postscale: float) -> None:
         self.compression, self.memory, self.comm, self.stats = compression, memory, comm, stats
-        self.op, self.op_is_average, self.prescale, self.postscale = op, op_is_average, prescale, postscale
+        self.op, self.sum_op, self.op_is_average = op, sum_op, op_is_average
+        self.prescale, self.postscale = prescale, postscale
         self.nonfinite: List[tuple] = []  # (name, 0-d bool tensor: every sent value finite)
         self.profile = None  # a PartialSparsification while it profiles
         self._warned_overflow = False
@@ -168,8 +169,10 @@ class SparseSender:
             dense.mul_(self.postscale / self.comm.size())
 
     def send(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int) -> Exchange:
-        start = time.perf_counter()
         c = self.compression
+        if hasattr(c, "make_exchange"):  # rules with their own collectives (PowerSGD)
+            return c.make_exchange(self, p, grad, info, step)
+        start = time.perf_counter()
         wire_dtype = c.wire_value_dtype(info.dtype)
         if grad is None:
             s = c.empty_selection(info, step, p.device)

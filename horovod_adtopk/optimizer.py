@@ -60,7 +60,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stats = Stats()
         # Rank-private memory of what was not sent; every rule with error feedback has one.
         self._memory = ErrorFeedback(compression.momentum) if self._sparse and compression.error_feedback else None
-        self._sender = (SparseSender(compression, self._memory, self._comm, self._stats, op, op == hvd.Average,
+        self._sender = (SparseSender(compression, self._memory, self._comm, self._stats, op, hvd.Sum, op == hvd.Average,
                                      *self._scales()) if self._sparse else None)
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
         # In-flight exchanges per parameter (or group); ``None``: gradient accumulating locally this round.

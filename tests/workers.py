@@ -63,7 +63,7 @@ def reference_cases(args, outdir):
                                        compression=_case_compression(case),
                                        op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
                                        gradient_predivide_factor=case.get("predivide", 1.0),
-                                       groups=case.get("groups"))
+                                       groups=case.get("groups"), warmup_steps=case.get("warmup_steps", 0))
         dtype = DTYPES[case.get("dtype", "float32")]
         arrays = {}
         for t in range(case.get("steps", 3)):
