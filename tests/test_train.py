@@ -37,9 +37,17 @@ def check_ok(rc, out, what="run"):
 
 
 def final_of(out: str) -> dict:
+    """The summary in the log (runs with --print-final-json)."""
     lines = [line for line in out.splitlines() if "FINAL {" in line]
     assert len(lines) == 1, f"expected exactly one FINAL line (rank 0 only), got {len(lines)}\n{out[-4000:]}"
     return json.loads(lines[0].split("FINAL ", 1)[1])
+
+
+def final_row(metrics: Path) -> dict:
+    """The summary in the metrics file: its last line, marked final."""
+    row = read_jsonl(metrics)[-1]
+    assert row["final"] is True and "total_seconds" in row, row
+    return row
 
 
 def read_jsonl(path: Path):
@@ -86,7 +94,10 @@ def fashion_run(tmp_path_factory):
 
 def test_fashion_mnist_metrics_and_checkpoint(fashion_run):
     d, out = fashion_run
-    final = final_of(out)
+    final = final_row(d / "metrics.jsonl")
+    assert "FINAL" not in out  # the summary stays out of the human log unless --print-final-json
+    assert sum(line.startswith("Final test accuracy") or "<stdout>:Final test accuracy" in line
+               for line in out.splitlines()) == 1, out[-4000:]
     assert final["step"] == 8 and final["world_size"] == 2 and final["compressor"] == "adtopk"
     assert 0.0 <= final["test_accuracy"] <= 1.0
     assert "bytes sent" in out and "vs dense" in out
@@ -135,7 +146,8 @@ def test_shakespeare_metrics_and_checkpoint(tmp_path):
                              "--test-batches", 1, "--test-batch-size", 16, "--checkpoint-dir", tmp_path / "ckpt",
                              "--metrics-out", tmp_path / "metrics.jsonl"])
     check_ok(rc, out, "shakespeare run")
-    final = final_of(out)
+    final = final_row(tmp_path / "metrics.jsonl")
+    assert "Final test perplexity" in out
     assert final["step"] == 4 and final["test_perplexity"] > 1.0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert METRIC_KEYS | {"test_perplexity"} <= set(rows[-1])
@@ -187,7 +199,7 @@ def _run_resume_case(tmp_path, common, total, first):
     assert a["step"] == b["step"] == total
     _compare_final_checkpoints(a, b)
 
-    fa, fb = final_of(out_a), final_of(out_b2)
+    fa, fb = final_row(a_dir / "m.jsonl"), final_row(b_dir / "m.jsonl")
     for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
         assert fa[key] == fb[key], (key, fa[key], fb[key])
     return a_dir, b_dir
@@ -197,8 +209,9 @@ def test_resume_is_bitwise_exact_fashion_mnist(tmp_path):
     common = ["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--test-batches", 1,
               "--checkpoint-every", 4]
     _run_resume_case(tmp_path, common, total=12, first=6)
-    assert (tmp_path / "A" / "ckpt" / "ckpt-step4.pt").is_file()  # periodic checkpoints too
-    assert (tmp_path / "A" / "ckpt" / "ckpt-step8.pt").is_file()
+    # periodic checkpoints too, of which the newest two are kept (--keep-checkpoints 2)
+    assert sorted(p.name for p in (tmp_path / "A" / "ckpt").glob("ckpt-step*.pt")) == ["ckpt-step12.pt",
+                                                                                       "ckpt-step8.pt"]
 
 
 def test_resume_is_bitwise_exact_across_epochs(tmp_path):
@@ -233,7 +246,7 @@ def test_plain_mpirun_launch():
         cmd.append("--allow-run-as-root")
     cmd += ["--oversubscribe", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
             "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
-            sys.executable, TRAIN, *QUICK, "--max-steps", "3", "--test-batches", "1"]
+            sys.executable, TRAIN, *QUICK, "--max-steps", "3", "--test-batches", "1", "--print-final-json"]
     rc, out, _ = run_command(cmd, timeout=TIMEOUT, env=ENV)
     check_ok(rc, out, "mpirun launch")
     assert "mpi4py init" in out  # detected the MPI launcher without horovodrun's variables
