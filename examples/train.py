@@ -754,8 +754,16 @@ def find_checkpoint(job: Job) -> Tuple[Optional[str], Optional[dict]]:
                 chosen = str(path)
                 if skipped:
                     LOG.warning(f"using the previous checkpoint {path} instead of the newest")
+                for bad, why in skipped:  # set aside, so they neither count as kept checkpoints nor get tried again
+                    if not why.startswith("damaged"):
+                        continue
+                    try:
+                        bad.rename(bad.with_name(bad.name + ".damaged"))
+                        LOG.warning(f"renamed the damaged {bad.name} to {bad.name}.damaged")
+                    except OSError:
+                        pass
                 break
-            skipped.append(path)
+            skipped.append((path, why))
             LOG.warning(f"checkpoint {path} is {why}; "
                         + ("trying the previous one" if path != candidates[-1] else "no other checkpoint is left"))
         if candidates and chosen is None:
