@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import inspect
 import json
 import logging
@@ -519,15 +518,13 @@ def open_tensorboard(args, rank: int):
     """Rank 0's SummaryWriter for ``--tensorboard`` (imported only then); every rank stops if it is missing."""
     if not args.tensorboard:
         return None
-    error = None
-    if importlib.util.find_spec("tensorboard") is None:
-        error = ("--tensorboard needs the tensorboard package, which is not installed: "
-                 "pip install tensorboard")
+    error, writer_class = None, None
+    try:
+        from torch.utils.tensorboard import SummaryWriter as writer_class
+    except ImportError as exc:
+        error = f"--tensorboard needs the tensorboard package ({exc}); install it with: pip install tensorboard"
     agree(error, "tensorboard")
-    if rank != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-    return SummaryWriter(log_dir=args.tensorboard)
+    return writer_class(log_dir=args.tensorboard) if rank == 0 else None
 
 
 def setup(args, process_start: float) -> Job:
@@ -840,8 +837,12 @@ def use_live_bar(args, world: int) -> bool:
         return True
     launched = any(v in os.environ for v in HOROVODRUN_VARS) or (
         world > 1 and any(v in os.environ for v in LAUNCHER_RANK_VARS))
-    return (world == 1 and not launched and sys.stderr.isatty()
-            and os.environ.get("TERM", "") not in ("", "dumb"))
+    if world > 1 or launched or not sys.stderr.isatty() or os.environ.get("TERM", "") in ("", "dumb"):
+        return False
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns >= 40  # 0: a pseudo-terminal with no size
+    except (OSError, ValueError):
+        return False
 
 
 class ProgressReport:

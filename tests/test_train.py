@@ -398,3 +398,45 @@ def test_disk_full_save_stops_every_rank(tmp_path):
     finally:
         import subprocess
         subprocess.run(["umount", str(full)], capture_output=True)
+
+
+def test_live_bar_for_a_single_process_in_a_terminal(tmp_path):
+    """One plain process whose stderr is a terminal gets the redrawn bar; log lines are written above it."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TERM="xterm",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, TRAIN, "--max-steps", "6", "--test-batches", "1", "--checkpoint-dir",
+                             str(tmp_path / "ckpt"), "--checkpoint-every", "3"],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed: every writer exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = None
+    out = b"".join(chunks).decode(errors="replace")
+    assert rc == 0, f"exit {rc}\n{out[-4000:]}"
+    assert "\r" in out and "step/s" in out and "6/6" in out, out[-4000:]  # tqdm redrew the bar
+    text = out.replace("\r", "\n")
+    assert "checkpoint " in text and "Final test accuracy" in text
+    assert not any(line.startswith("step ") for line in text.splitlines())  # no timed lines with a bar
