@@ -764,8 +764,8 @@ def find_checkpoint(job: Job) -> Tuple[Optional[str], Optional[dict]]:
             LOG.warning(f"checkpoint {path} is {why}; "
                         + ("trying the previous one" if path != candidates[-1] else "no other checkpoint is left"))
         if candidates and chosen is None:
-            error = (f"--resume: no usable checkpoint in {job.ckpt_dir} (all {len(candidates)} damaged or "
-                     f"unreadable); remove them to start from scratch, or restore a good copy")
+            error = (f"--resume: no usable checkpoint in {job.ckpt_dir} (none of its {len(candidates)} checkpoint "
+                     f"files can be read, see above); restore a good copy, or remove them to start from scratch")
         elif not candidates:
             LOG.info(f"--resume: no checkpoint in {job.ckpt_dir}; starting from scratch")
     chosen, error = hvd.broadcast_object((chosen, error), root_rank=0, name="train.resume_path")

@@ -1,7 +1,7 @@
 """The training job examples/train.py (and examples/plot.py), launched for real on 2 ranks.
 
 Every launch goes through tests.harness.run_command, which kills the whole process tree on timeout.
-Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 2-3 minutes
+Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 4 minutes
 on 2 CPU cores.
 """
 from __future__ import annotations
