@@ -1,7 +1,7 @@
 """The training job examples/train.py (and examples/plot.py), launched for real on 2 ranks.
 
 Every launch goes through tests.harness.run_command, which kills the whole process tree on timeout.
-Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 2-3 minutes
+Runs are kept to a few optimizer steps (OMP_NUM_THREADS=1 per rank) so the file takes about 4 minutes
 on 2 CPU cores.
 """
 from __future__ import annotations
@@ -37,9 +37,17 @@ def check_ok(rc, out, what="run"):
 
 
 def final_of(out: str) -> dict:
+    """The summary in the log (runs with --print-final-json)."""
     lines = [line for line in out.splitlines() if "FINAL {" in line]
     assert len(lines) == 1, f"expected exactly one FINAL line (rank 0 only), got {len(lines)}\n{out[-4000:]}"
     return json.loads(lines[0].split("FINAL ", 1)[1])
+
+
+def final_row(metrics: Path) -> dict:
+    """The summary in the metrics file: its last line, marked final."""
+    row = read_jsonl(metrics)[-1]
+    assert row["final"] is True and "total_seconds" in row, row
+    return row
 
 
 def read_jsonl(path: Path):
@@ -86,7 +94,10 @@ def fashion_run(tmp_path_factory):
 
 def test_fashion_mnist_metrics_and_checkpoint(fashion_run):
     d, out = fashion_run
-    final = final_of(out)
+    final = final_row(d / "metrics.jsonl")
+    assert "FINAL" not in out  # the summary stays out of the human log unless --print-final-json
+    assert sum(line.startswith("Final test accuracy") or "<stdout>:Final test accuracy" in line
+               for line in out.splitlines()) == 1, out[-4000:]
     assert final["step"] == 8 and final["world_size"] == 2 and final["compressor"] == "adtopk"
     assert 0.0 <= final["test_accuracy"] <= 1.0
     assert "bytes sent" in out and "vs dense" in out
@@ -135,7 +146,8 @@ def test_shakespeare_metrics_and_checkpoint(tmp_path):
                              "--test-batches", 1, "--test-batch-size", 16, "--checkpoint-dir", tmp_path / "ckpt",
                              "--metrics-out", tmp_path / "metrics.jsonl"])
     check_ok(rc, out, "shakespeare run")
-    final = final_of(out)
+    final = final_row(tmp_path / "metrics.jsonl")
+    assert "Final test perplexity" in out
     assert final["step"] == 4 and final["test_perplexity"] > 1.0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert METRIC_KEYS | {"test_perplexity"} <= set(rows[-1])
@@ -187,7 +199,7 @@ def _run_resume_case(tmp_path, common, total, first):
     assert a["step"] == b["step"] == total
     _compare_final_checkpoints(a, b)
 
-    fa, fb = final_of(out_a), final_of(out_b2)
+    fa, fb = final_row(a_dir / "m.jsonl"), final_row(b_dir / "m.jsonl")
     for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
         assert fa[key] == fb[key], (key, fa[key], fb[key])
     return a_dir, b_dir
@@ -197,8 +209,9 @@ def test_resume_is_bitwise_exact_fashion_mnist(tmp_path):
     common = ["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--test-batches", 1,
               "--checkpoint-every", 4]
     _run_resume_case(tmp_path, common, total=12, first=6)
-    assert (tmp_path / "A" / "ckpt" / "ckpt-step4.pt").is_file()  # periodic checkpoints too
-    assert (tmp_path / "A" / "ckpt" / "ckpt-step8.pt").is_file()
+    # periodic checkpoints too, of which the newest two are kept (--keep-checkpoints 2)
+    assert sorted(p.name for p in (tmp_path / "A" / "ckpt").glob("ckpt-step*.pt")) == ["ckpt-step12.pt",
+                                                                                       "ckpt-step8.pt"]
 
 
 def test_resume_is_bitwise_exact_across_epochs(tmp_path):
@@ -233,7 +246,7 @@ def test_plain_mpirun_launch():
         cmd.append("--allow-run-as-root")
     cmd += ["--oversubscribe", "-x", "OMP_NUM_THREADS", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
             "-x", "HOROVOD_CYCLE_TIME", "-x", "PATH",
-            sys.executable, TRAIN, *QUICK, "--max-steps", "3", "--test-batches", "1"]
+            sys.executable, TRAIN, *QUICK, "--max-steps", "3", "--test-batches", "1", "--print-final-json"]
     rc, out, _ = run_command(cmd, timeout=TIMEOUT, env=ENV)
     check_ok(rc, out, "mpirun launch")
     assert "mpi4py init" in out  # detected the MPI launcher without horovodrun's variables
@@ -269,3 +282,161 @@ def test_bad_arguments_are_rejected():
     rc, out, _ = run_command([sys.executable, TRAIN, "--compressor", "none", "--value-dtype", "float16"],
                              timeout=TIMEOUT)
     assert rc == 2 and "sparse compressors" in out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Log lines, summary outputs, TensorBoard
+# --------------------------------------------------------------------------------------------------------
+
+def test_log_lines_and_summary_outputs(tmp_path):
+    """Under horovodrun: no bar, one complete flushed line per progress report (nothing glued to the
+    launcher's tags), the summary in --summary-json and, with --print-final-json, once in the log."""
+    summary = tmp_path / "summary.json"
+    cmd = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, TRAIN, "--log-every", "0.001", "--max-steps", "4",
+           "--test-batches", "1", "--summary-json", str(summary), "--print-final-json"]
+    rc, out, _ = run_command(cmd, timeout=TIMEOUT, env=ENV)
+    check_ok(rc, out, "run with progress lines")
+    assert "\r" not in out and "it/s" not in out  # no tqdm bar under a launcher
+    lines = [line for line in out.splitlines() if line.strip()]
+    for line in lines:
+        assert line.count("<stdout>:") + line.count("<stderr>:") <= 1, f"two outputs on one line: {line!r}"
+    progress = [line for line in lines if "<stdout>:step " in line]
+    assert len(progress) >= 2, out[-4000:]
+    for line in progress:
+        for part in ("epoch 1/1", "loss ", "samples/s", "ETA ", "vs dense", "density"):
+            assert part in line, (part, line)
+    assert any("step 4/4" in line for line in progress)
+    final = final_of(out)
+    assert json.loads(summary.read_text()) == final
+    assert final["step"] == 4 and final["final"] is True
+    headline = [line for line in lines if "Final test accuracy" in line]
+    assert len(headline) == 1 and headline[0].split("<stdout>:", 1)[-1].startswith("Final test accuracy")
+    assert not any(line.startswith("[1]") for line in lines), "rank 1 logged at info level"
+
+
+def test_tensorboard_event_file(tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (pip install tensorboard) - --tensorboard is an optional extra")
+    tb = tmp_path / "tb"
+    rc, out, _ = horovodrun(["--max-steps", 3, "--test-batches", 1, "--tensorboard", tb])
+    check_ok(rc, out, "run with --tensorboard")
+    acc = event_accumulator.EventAccumulator(str(tb), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("train/loss", "train/learning_rate", "compression/bytes_sent", "compression/density",
+                "compression/compress_seconds", "test/accuracy", "test/loss"):
+        assert tag in tags["scalars"], (tag, tags["scalars"])
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    assert 0 < acc.Scalars("compression/density")[-1].value < 0.1
+    assert "compression/layer_density" in tags["histograms"]
+    hist = acc.Histograms("compression/layer_density")[-1].histogram_value
+    assert hist.num > 0 and 0 < hist.min <= hist.max <= 1
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 1  # rank 0 only
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints that fail well
+# --------------------------------------------------------------------------------------------------------
+
+def test_damaged_checkpoint_falls_back_then_fails_clearly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--test-batches", 1, "--checkpoint-dir", ckpt, "--checkpoint-every", 2]
+    rc, out, _ = horovodrun([*common, "--max-steps", 4])
+    check_ok(rc, out, "first run")
+    assert sorted(p.name for p in ckpt.glob("ckpt-step*.pt")) == ["ckpt-step2.pt", "ckpt-step4.pt"]
+
+    # The newest is truncated; a save killed mid-write left its temporary file (a process id not running).
+    newest = ckpt / "ckpt-step4.pt"
+    newest.write_bytes(newest.read_bytes()[:5000])
+    stale = ckpt / ".ckpt-step3.pt.tmp99999999"
+    stale.write_bytes(b"partial")
+    rc, out, _ = horovodrun([*common, "--max-steps", 6, "--resume"])
+    check_ok(rc, out, "resume past a damaged checkpoint")
+    assert f"checkpoint {newest} is damaged" in out, out[-4000:]
+    assert f"resumed from {ckpt / 'ckpt-step2.pt'} at step 2" in out
+    assert "weights_only" not in out and "Traceback" not in out
+    assert not stale.exists() and "removed .ckpt-step3.pt.tmp99999999" in out
+    assert (ckpt / "ckpt-step4.pt.damaged").is_file()
+    assert sorted(p.name for p in ckpt.glob("ckpt-step*.pt")) == ["ckpt-step4.pt", "ckpt-step6.pt"]
+    assert load_ckpt(latest(ckpt))["step"] == 6
+
+    # Nothing usable left: a clear message from rank 0, status 2, no traceback.
+    (ckpt / "ckpt-step6.pt").write_bytes(b"\x00garbage" * 100)
+    (ckpt / "ckpt-step4.pt").write_bytes(b"")
+    rc, out, _ = horovodrun([*common, "--max-steps", 8, "--resume"])
+    assert rc is not None and rc != 0, out[-4000:]  # the ranks exit 2; horovodrun reports that as 1
+    assert "Exit code: 2" in out, out[-4000:]
+    assert "no usable checkpoint in" in out and str(ckpt / "ckpt-step6.pt") in out, out[-4000:]
+    assert sum("no usable checkpoint" in line for line in out.splitlines()) == 1
+    assert f'File "{TRAIN}"' not in out and "weights_only" not in out  # (horovodrun prints its own traceback)
+    assert "Final test" not in out
+
+
+def _mount_tiny_tmpfs(path: Path) -> bool:
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    path.mkdir()
+    import subprocess
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def test_disk_full_save_stops_every_rank(tmp_path):
+    """A real full file system: a 256 KiB tmpfs (needs root; the checkpoint is about 1.8 MB)."""
+    full = tmp_path / "full"
+    if not _mount_tiny_tmpfs(full):
+        pytest.skip("needs root to mount a tiny tmpfs for a real disk-full")
+    try:
+        rc, out, _ = horovodrun(["--max-steps", 2, "--test-batches", 1, "--checkpoint-dir", full])
+        assert rc is not None, f"a rank hung after the failed save\n{out[-4000:]}"
+        assert rc != 0, out[-4000:]
+        assert f"could not write checkpoint {full / 'ckpt-step2.pt'}: No space left on device" in out, out[-4000:]
+        assert "disk full?" in out
+        assert f'File "{TRAIN}"' not in out and "basic_ios" not in out
+        assert sorted(os.listdir(full)) == []  # no partial checkpoint, no temporary file
+    finally:
+        import subprocess
+        subprocess.run(["umount", str(full)], capture_output=True)
+
+
+def test_live_bar_for_a_single_process_in_a_terminal(tmp_path):
+    """One plain process whose stderr is a terminal gets the redrawn bar; log lines are written above it."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TERM="xterm",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, TRAIN, "--max-steps", "6", "--test-batches", "1", "--checkpoint-dir",
+                             str(tmp_path / "ckpt"), "--checkpoint-every", "3"],
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the terminal closed: every writer exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = None
+    out = b"".join(chunks).decode(errors="replace")
+    assert rc == 0, f"exit {rc}\n{out[-4000:]}"
+    assert "\r" in out and "step/s" in out and "6/6" in out, out[-4000:]  # tqdm redrew the bar
+    text = out.replace("\r", "\n")
+    assert "checkpoint " in text and "Final test accuracy" in text
+    assert not any(line.startswith("step ") for line in text.splitlines())  # no timed lines with a bar
