@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import inspect
 import json
 import logging
 import math
@@ -79,12 +78,12 @@ CKPT_FORMAT = 2  # 2: the learning rate lives in a LambdaLR state dict
 LATEST = "latest"
 CKPT_GLOB = "ckpt-step*.pt"
 TMP_GLOBS = (".ckpt-step*.pt.tmp*", f".{LATEST}.tmp*")
-VALUE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-DENSE_COMPRESSORS = ("none", "fp16")
+VALUE_DTYPES = hat.Compression.value_dtypes()
 # Settings a checkpoint must share with the resuming run, or the continuation would not be the same run.
 RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "threshold", "min_numel", "momentum_correction",
                "batch_size", "lr", "momentum", "weight_decay", "lr_schedule", "schedule_horizon", "warmup_steps",
-               "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size")
+               "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size", "dense_rounds",
+               "density_warmup", "density_start", "powersgd_rank")
 
 
 class JobFailed(Exception):
@@ -165,6 +164,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--value-dtype", choices=sorted(VALUE_DTYPES), default=None,
                    help="dtype of the sent values (sparse compressors; default: the gradient's dtype)")
     p.add_argument("--threshold", type=float, default=None, help="magnitude threshold of --compressor threshold")
+    p.add_argument("--dense-rounds", type=int, default=0,
+                   help="compression warm-up: send every gradient dense for the first N steps (the optimizer's "
+                        "warmup_steps)")
+    p.add_argument("--density-warmup", type=int, default=0,
+                   help="sparse compressors: exponential density warm-up over N steps, from --density-start down to "
+                        "--ratio (DGC's)")
+    p.add_argument("--density-start", type=float, default=0.25, help="density at the start of --density-warmup")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="rank of --compressor powersgd")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
     p.add_argument("--epochs", type=int, default=1)
@@ -240,7 +247,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--checkpoint-every and --resume need --checkpoint-dir")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
-    if args.compressor in DENSE_COMPRESSORS:
+    if args.dense_rounds < 0 or args.density_warmup < 0:
+        p.error("--dense-rounds and --density-warmup must be >= 0")
+    if args.compressor != "powersgd":
+        args.powersgd_rank = None
+    if hat.Compression.is_dense_name(args.compressor):
+        args.density_warmup = 0
+        args.density_start = None
         if args.value_dtype is not None:
             p.error(f"--value-dtype applies to sparse compressors; --compressor {args.compressor} is dense "
                     "(use --compressor fp16 for a float16 dense allreduce)")
@@ -257,6 +270,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--compressor threshold needs --threshold")
         if args.compressor != "threshold":
             args.threshold = None
+        if args.compressor == "powersgd":
+            if args.momentum_correction:
+                p.error("--momentum-correction applies to the sparse compressors; PowerSGD uses SGD momentum")
+            args.momentum_correction = False
+            args.ratio = args.density_start = None
+            args.density_warmup = 0
         if args.momentum_correction is None:
             args.momentum_correction = True
         if args.momentum_correction and not 0.0 <= args.momentum < 1.0:
@@ -371,19 +390,12 @@ def make_model(args, vocab_size: Optional[int]) -> torch.nn.Module:
 
 
 def make_compression(args):
-    if args.compressor in DENSE_COMPRESSORS:
-        return hat.Compression.get(args.compressor)
-    kwargs = {"ratio": args.ratio, "value_dtype": VALUE_DTYPES.get(args.value_dtype)}
-    if args.compressor == "threshold":
-        kwargs["threshold"] = args.threshold
-    if args.min_numel is not None:
-        kwargs["min_numel"] = args.min_numel
-    if args.momentum_correction:
-        kwargs["momentum"] = args.momentum
-    cls = getattr(hat.Compression, args.compressor)
-    if "seed" in inspect.signature(cls.__init__).parameters:
-        kwargs["seed"] = args.seed  # identical on every rank (Random-k draws the same positions everywhere)
-    return hat.Compression.get(args.compressor, **kwargs)
+    """The compressor named by --compressor, from the flags it takes (the registry knows which)."""
+    return hat.Compression.from_options(
+        args.compressor, ratio=args.ratio, value_dtype=VALUE_DTYPES.get(args.value_dtype), threshold=args.threshold,
+        min_numel=args.min_numel, momentum=args.momentum if args.momentum_correction else None,
+        seed=args.seed,  # identical on every rank (Random-k draws the same positions everywhere)
+        density_warmup=args.density_warmup, density_start=args.density_start, rank=args.powersgd_rank)
 
 
 def sparse_parameter_names(model: torch.nn.Module, compression, world: int) -> set:
@@ -407,7 +419,7 @@ def make_optimizer(model, compression, args, world: int, lr: float):
     base = torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=args.momentum,
                            weight_decay=args.weight_decay)
     opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
-                                   backward_passes_per_step=1, op=hvd.Average)
+                                   backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds)
     if args.momentum_correction and world > 1:
         actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse"}
         if actual != sparse:
@@ -1065,7 +1077,8 @@ def report(job: Job, progress: Progress) -> dict:
 
 def train(job: Job, progress: Progress) -> dict:
     args = job.args
-    sparse = "dense" if args.compressor in DENSE_COMPRESSORS else (
+    sparse = "dense" if hat.Compression.is_dense_name(args.compressor) else (
+        f"rank {args.powersgd_rank}" if args.compressor == "powersgd" else
         f"ratio {args.ratio}" + (", momentum correction" if args.momentum_correction else ""))
     LOG.info(f"{args.dataset}/{args.model}: {job.world} rank(s) ({job.init_mode} init, {job.device.type}), "
              f"compressor {args.compressor} ({sparse}), batch {args.batch_size}/rank, lr {args.lr} x {job.world} "

