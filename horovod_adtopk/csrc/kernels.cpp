@@ -45,9 +45,9 @@ template <typename A, typename T> inline A key_of(T x) {
   return v == v ? v : inf_of<A>();
 }
 
-// The smallest A >= t (exact comparison of A keys against a double threshold); NaN stays NaN.
+// The smallest A >= t (exact comparison of A keys against a double threshold); NaN gives +inf.
 template <typename A> A ceil_to(double t) {
-  if (std::isnan(t)) return std::numeric_limits<A>::quiet_NaN();
+  if (std::isnan(t)) return inf_of<A>();  // only non-finite entries (key +inf) pass
   if (t > static_cast<double>(std::numeric_limits<A>::max())) return inf_of<A>();
   if (t < -static_cast<double>(std::numeric_limits<A>::max())) return -inf_of<A>();
   A f = static_cast<A>(t);
@@ -55,7 +55,8 @@ template <typename A> A ceil_to(double t) {
   return f;
 }
 
-template <typename A> inline bool passes(A key, A t) { return (key >= t) | (key == inf_of<A>()); }
+// Whether a key passes threshold t (from ceil_to, never NaN): non-finite keys are +inf and always pass.
+template <typename A> inline bool passes(A key, A t) { return key >= t; }
 
 template <typename U> std::unique_ptr<U[]> buffer(int64_t n) { return std::unique_ptr<U[]>(new U[std::max<int64_t>(n, 1)]); }
 
@@ -64,17 +65,21 @@ inline int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
 // Whether a fiber of length n keeping k goes straight to an exact selection over all entries.
 inline bool direct_select(int64_t n, int64_t k) { return n < 4 * BLOCK || k * 4 * BLOCK > n; }
 
+template <typename T, typename A> inline T add_as(T x, T g) { return static_cast<T>(static_cast<A>(x) + static_cast<A>(g)); }
+
 // Per-thread scratch for fiber selection.
 template <typename A> struct Scratch {
   int64_t cap = 0;
   std::unique_ptr<A[]> tmp, ckey;
   std::unique_ptr<int64_t[]> cidx;
+  std::unique_ptr<int64_t[]> hits;
   void reserve(int64_t n) {
     if (n + BLOCK <= cap) return;
     cap = n + BLOCK;
     tmp = buffer<A>(cap);
     ckey = buffer<A>(cap);
     cidx = buffer<int64_t>(cap);
+    hits = buffer<int64_t>(cap / BLOCK + 1);
   }
 };
 
@@ -108,89 +113,114 @@ template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c,
   }
 }
 
-// Exact top-k positions (ascending) of one fiber of length n. key(i) gives the key of entry i; bm holds the
-// block maxima (ignored on the direct path).
-template <typename A, typename KeyFn>
-void select_fiber(int64_t n, int64_t k, KeyFn key, const A* bm, Scratch<A>& s, int64_t* out) {
-  A* ckey = s.ckey.get();
-  int64_t* cidx = s.cidx.get();
-  int64_t c = 0;
-  if (direct_select(n, k)) {
-    for (int64_t i = 0; i < n; ++i) {
-      ckey[i] = key(i);
-      cidx[i] = i;
-    }
-    c = n;
-  } else {
-    const int64_t nb = num_blocks(n);
-    const A t = kth_largest(bm, nb, k, s.tmp.get());
-    for (int64_t b = 0; b < nb; ++b) {
-      if (bm[b] < t) continue;
-      const int64_t lo = b * BLOCK, hi = std::min(n, lo + BLOCK);
-      for (int64_t i = lo; i < hi; ++i) {  // branch-free compaction (buffers have BLOCK slack)
-        const A v = key(i);
-        ckey[c] = v;
-        cidx[c] = i;
-        c += v >= t;
+// ---- segments with interleaved groups ------------------------------------------------------------------
+//
+// A contiguous segment of length L has G = L / BLOCK groups; group j holds entries j, j + G, ...,
+// j + (BLOCK - 1) G. The last L - BLOCK * G entries (the tail, fewer than BLOCK) belong to no group and are
+// always scanned. Group maxima are elementwise maxima of BLOCK contiguous runs, so the first pass is a
+// plain vectorisable loop, and rescanning the hit groups row by row visits entries in ascending order.
+
+// First pass: x += g (optional), group maxima of the keys into gm[0..G).
+template <typename T, typename A>
+void pass_segment(T* __restrict x, const T* __restrict g, int64_t L, A* __restrict gm) {
+  const int64_t G = L / BLOCK;
+  if (g != nullptr)
+    for (int64_t i = BLOCK * G; i < L; ++i) x[i] = add_as<T, A>(x[i], g[i]);
+  if (G == 0) return;
+  for (int64_t j = 0; j < G; ++j) {
+    if (g != nullptr) x[j] = add_as<T, A>(x[j], g[j]);
+    gm[j] = key_of<A>(x[j]);
+  }
+  for (int64_t r = 1; r < BLOCK; ++r) {
+    T* __restrict xr = x + r * G;
+    if (g != nullptr) {
+      const T* __restrict gr = g + r * G;
+      for (int64_t j = 0; j < G; ++j) {
+        const T v = add_as<T, A>(xr[j], gr[j]);
+        xr[j] = v;
+        const A kv = key_of<A>(v);
+        gm[j] = gm[j] > kv ? gm[j] : kv;
+      }
+    } else {
+      for (int64_t j = 0; j < G; ++j) {
+        const A kv = key_of<A>(xr[j]);
+        gm[j] = gm[j] > kv ? gm[j] : kv;
       }
     }
   }
-  finish(ckey, cidx, c, k, s.tmp.get(), out);
+}
+
+// Groups of a segment whose maximum reaches t, ascending, into hits; returns how many.
+template <typename A> int64_t hit_groups(const A* gm, int64_t G, A t, int64_t* hits) {
+  int64_t h = 0;
+  for (int64_t j = 0; j < G; ++j) {
+    hits[h] = j;
+    h += gm[j] >= t;
+  }
+  return h;
+}
+
+// Appends the entries with key >= t of the hit groups and the tail, in ascending index order (base + i),
+// starting at ckey/cidx[c]; returns the new count. Needs room for h * BLOCK + BLOCK more entries.
+template <typename A, typename T>
+int64_t scan_segment(const T* x, int64_t L, const int64_t* hits, int64_t h, A t, int64_t base, A* ckey,
+                     int64_t* cidx, int64_t c) {
+  const int64_t G = L / BLOCK;
+  for (int64_t r = 0; r < BLOCK && G > 0; ++r) {
+    const T* xr = x + r * G;
+    for (int64_t q = 0; q < h; ++q) {  // branch-free compaction
+      const int64_t j = hits[q];
+      const A v = key_of<A>(xr[j]);
+      ckey[c] = v;
+      cidx[c] = base + r * G + j;
+      c += v >= t;
+    }
+  }
+  for (int64_t i = BLOCK * G; i < L; ++i) {
+    const A v = key_of<A>(x[i]);
+    ckey[c] = v;
+    cidx[c] = base + i;
+    c += v >= t;
+  }
+  return c;
 }
 
 // ---- all-dimension top-k -------------------------------------------------------------------------------
-
-// First pass over a contiguous run x[0..n) (optionally x += g): block maxima of the keys into bm.
-template <typename T, typename A> void pass_contiguous(T* x, const T* g, int64_t n, A* bm) {
-  const int64_t full = n / BLOCK;
-  if (g != nullptr) {
-    for (int64_t b = 0; b < full; ++b) {
-      T* xb = x + b * BLOCK;
-      const T* gb = g + b * BLOCK;
-      A m = 0;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const T v = static_cast<T>(static_cast<A>(xb[i]) + static_cast<A>(gb[i]));
-        xb[i] = v;
-        const A kv = key_of<A>(v);
-        m = m > kv ? m : kv;
-      }
-      bm[b] = m;
-    }
-  } else {
-    for (int64_t b = 0; b < full; ++b) {
-      const T* xb = x + b * BLOCK;
-      A m = 0;
-      for (int64_t i = 0; i < BLOCK; ++i) {
-        const A kv = key_of<A>(xb[i]);
-        m = m > kv ? m : kv;
-      }
-      bm[b] = m;
-    }
-  }
-  if (full * BLOCK < n) {
-    A m = 0;
-    for (int64_t i = full * BLOCK; i < n; ++i) {
-      if (g != nullptr) x[i] = static_cast<T>(static_cast<A>(x[i]) + static_cast<A>(g[i]));
-      const A kv = key_of<A>(x[i]);
-      m = m > kv ? m : kv;
-    }
-    bm[full] = m;
-  }
-}
 
 template <typename T>
 void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero_sent, T* values, int64_t* local) {
   using A = typename AccOf<T>::type;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));
+  const bool direct = direct_select(n, k);
+  const int64_t G = n / BLOCK;
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     Scratch<A> s;
     s.reserve(n);
-    auto bm = buffer<A>(num_blocks(n));
+    auto gm = buffer<A>(G);
+    A* ckey = s.ckey.get();
+    int64_t* cidx = s.cidx.get();
     for (int64_t r = r0; r < r1; ++r) {
       T* x = a + r * n;
-      pass_contiguous<T, A>(x, g ? g + r * n : nullptr, n, bm.get());
       int64_t* out = local + r * k;
-      select_fiber<A>(n, k, [x](int64_t i) { return key_of<A>(x[i]); }, bm.get(), s, out);
+      int64_t c;
+      if (direct) {
+        if (g != nullptr) {
+          const T* gr = g + r * n;
+          for (int64_t i = 0; i < n; ++i) x[i] = add_as<T, A>(x[i], gr[i]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          ckey[i] = key_of<A>(x[i]);
+          cidx[i] = i;
+        }
+        c = n;
+      } else {
+        pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get());
+        // The k-th largest group maximum t is a lower bound of the fiber's k-th largest key.
+        const A t = kth_largest(gm.get(), G, k, s.tmp.get());
+        const int64_t h = hit_groups(gm.get(), G, t, s.hits.get());
+        c = scan_segment<A, T>(x, n, s.hits.get(), h, t, 0, ckey, cidx, 0);
+      }
+      finish(ckey, cidx, c, k, s.tmp.get(), out);
       T* vo = values + r * k;
       for (int64_t j = 0; j < k; ++j) vo[j] = x[out[j]];
       if (zero_sent)
@@ -199,55 +229,90 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
   });
 }
 
-// One tile of NC adjacent columns (NC known at compile time on full tiles so the inner loops vectorise):
-// walks the rows once, applies x += g, stores the keys transposed (kbuf[c * rows + i]) and the block maxima
-// of every column (bm[c * nb + b]).
+// One tile of NC adjacent columns (NC fixed at compile time on full tiles so the inner loops vectorise):
+// walks the rows once, applies x += g and records, per block of BLOCK rows, the maximum key of every
+// column (bm[b * TILE + c]).
+constexpr int64_t TILE = 16;
+
 template <typename T, typename A, int64_t NC>
-void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* kbuf, A* bm) {
+void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* bm) {
   const int64_t nc = NC > 0 ? NC : nc_rt;
   const int64_t nb = num_blocks(rows);
-  A m[64];
   for (int64_t b = 0; b < nb; ++b) {
+    A m[TILE];
     for (int64_t c = 0; c < nc; ++c) m[c] = 0;
     const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
     for (int64_t i = lo; i < hi; ++i) {
-      T* x = a + i * cols + c0;
+      T* __restrict x = a + i * cols + c0;
       if (g != nullptr) {
-        const T* gi = g + i * cols + c0;
-        for (int64_t c = 0; c < nc; ++c) x[c] = static_cast<T>(static_cast<A>(x[c]) + static_cast<A>(gi[c]));
+        const T* __restrict gi = g + i * cols + c0;
+        for (int64_t c = 0; c < nc; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
       }
       for (int64_t c = 0; c < nc; ++c) {
         const A kv = key_of<A>(x[c]);
-        kbuf[c * rows + i] = kv;
         m[c] = m[c] > kv ? m[c] : kv;
       }
     }
-    for (int64_t c = 0; c < nc; ++c) bm[c * nb + b] = m[c];
+    for (int64_t c = 0; c < nc; ++c) bm[b * TILE + c] = m[c];
   }
 }
 
 template <typename T>
 void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool zero_sent, T* values, int64_t* local) {
   using A = typename AccOf<T>::type;
-  constexpr int64_t TILE = 16;
   const int64_t n = rows, nb = num_blocks(rows);
   const int64_t tiles = (cols + TILE - 1) / TILE;
+  const bool direct = direct_select(n, k);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    Scratch<A> s;
-    s.reserve(n);
-    auto kbuf = buffer<A>(TILE * n);
+    const int64_t cap = n + BLOCK;
+    auto ckey = buffer<A>(TILE * cap);
+    auto cidx = buffer<int64_t>(TILE * cap);
+    auto tmp = buffer<A>(cap);
     auto bm = buffer<A>(TILE * nb);
+    auto col_bm = buffer<A>(nb);
+    A thr[TILE];
+    int64_t cnt[TILE], hit[TILE];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * TILE, nc = std::min(TILE, cols - c0);
       if (nc == TILE)
-        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, kbuf.get(), bm.get());
+        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, bm.get());
       else
-        pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, kbuf.get(), bm.get());
+        pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, bm.get());
+      for (int64_t c = 0; c < nc; ++c) {
+        cnt[c] = 0;
+        if (direct) {
+          thr[c] = -inf_of<A>();
+        } else {  // the k-th largest block maximum of the column bounds its k-th largest key from below
+          for (int64_t b = 0; b < nb; ++b) col_bm[b] = bm[b * TILE + c];
+          thr[c] = kth_largest(col_bm.get(), nb, k, tmp.get());
+        }
+      }
+      // Rescan the tile block by block; in every block only the columns whose block maximum reaches their
+      // threshold, compacting entries with key >= threshold (ascending rows per column).
+      for (int64_t b = 0; b < nb; ++b) {
+        int64_t nh = 0;
+        for (int64_t c = 0; c < nc; ++c) {
+          hit[nh] = c;
+          nh += bm[b * TILE + c] >= thr[c];
+        }
+        if (nh == 0) continue;
+        const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
+        for (int64_t i = lo; i < hi; ++i) {
+          const T* x = a + i * cols + c0;
+          for (int64_t q = 0; q < nh; ++q) {
+            const int64_t c = hit[q];
+            const A v = key_of<A>(x[c]);
+            const int64_t o = c * cap + cnt[c];
+            ckey[o] = v;
+            cidx[o] = i;
+            cnt[c] += v >= thr[c];
+          }
+        }
+      }
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t f = c0 + c;
-        const A* kc = kbuf.get() + c * n;
         int64_t* out = local + f * k;
-        select_fiber<A>(n, k, [kc](int64_t i) { return kc[i]; }, bm.get() + c * nb, s, out);
+        finish(ckey.get() + c * cap, cidx.get() + c * cap, cnt[c], k, tmp.get(), out);
         T* vo = values + f * k;
         for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j] * cols + f];
         if (zero_sent)
@@ -293,31 +358,40 @@ std::vector<at::Tensor> adtopk_select(at::Tensor a, int64_t rows, int64_t cols, 
 template <typename T>
 void topk_flat(T* a, const T* g, int64_t n, int64_t k, bool zero_sent, at::Tensor& values_out, at::Tensor& flat_out) {
   using A = typename AccOf<T>::type;
-  const int64_t nb = num_blocks(n);
-  auto bm = buffer<A>(nb);
-  constexpr int64_t GRAIN_BLOCKS = 4096;  // 64 Ki entries per task
-  at::parallel_for(0, nb, GRAIN_BLOCKS, [&](int64_t b0, int64_t b1) {
-    const int64_t lo = b0 * BLOCK, hi = std::min(n, b1 * BLOCK);
-    pass_contiguous<T, A>(a + lo, g ? g + lo : nullptr, hi - lo, bm.get() + b0);
+  // Chunks of CHUNK entries, each a segment with CHUNK / BLOCK interleaved groups (its maxima stay in cache).
+  constexpr int64_t GPC = 4096, CHUNK = GPC * BLOCK;
+  const int64_t nch = (n + CHUNK - 1) / CHUNK;
+  auto chunk_len = [&](int64_t q) { return std::min(CHUNK, n - q * CHUNK); };
+  const int64_t ng = (nch - 1) * GPC + chunk_len(nch - 1) / BLOCK;  // groups overall (chunk q's at q * GPC)
+  auto gm = buffer<A>(nch * GPC);
+  at::parallel_for(0, nch, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      pass_segment<T, A>(a + q * CHUNK, g ? g + q * CHUNK : nullptr, chunk_len(q), gm.get() + q * GPC);
   });
 
-  // Threshold on the block maxima: any t with at least k maxima >= t is a valid lower bound of the k-th
+  // Threshold on the group maxima: any t with at least k maxima >= t is a valid lower bound of the k-th
   // largest key. Estimate a tight one from a strided sample of the maxima, check it by counting, and lower
-  // it until the count is reached (finally -inf: everything).
+  // it until the count is reached (finally -inf: everything). Exactness never depends on the sample.
   A t = -inf_of<A>();
-  if (!direct_select(n, k)) {
-    const int64_t S = std::min<int64_t>(nb, 16384);
+  if (!direct_select(n, k) && ng >= k) {
+    const int64_t S = std::min<int64_t>(ng, 16384);
     auto sample = buffer<A>(S);
-    for (int64_t i = 0; i < S; ++i) sample[i] = bm[(i * nb) / S];
+    auto group = [&](int64_t i) { return gm[(i / GPC) * GPC + i % GPC]; };  // i-th group overall
+    for (int64_t i = 0; i < S; ++i) sample[i] = group((i * ng) / S);
     std::sort(sample.get(), sample.get() + S, std::greater<A>());
-    const double expect = static_cast<double>(k) * S / nb;
+    const double expect = static_cast<double>(k) * S / ng;
     int64_t j = static_cast<int64_t>(std::ceil(expect + 4.0 * std::sqrt(expect) + 4.0));
     while (j <= S) {
       const A cand = sample[j - 1];
       const int64_t cnt = at::parallel_reduce(
-          0, nb, 1 << 16, int64_t(0),
-          [&](int64_t b0, int64_t b1, int64_t acc) {
-            for (int64_t b = b0; b < b1; ++b) acc += bm[b] >= cand;
+          0, nch, 1, int64_t(0),
+          [&](int64_t q0, int64_t q1, int64_t acc) {
+            for (int64_t q = q0; q < q1; ++q) {
+              const A* gq = gm.get() + q * GPC;
+              int32_t c = 0;
+              for (int64_t i = 0, e = chunk_len(q) / BLOCK; i < e; ++i) c += gq[i] >= cand;
+              acc += c;
+            }
             return acc;
           },
           std::plus<int64_t>());
@@ -329,31 +403,25 @@ void topk_flat(T* a, const T* g, int64_t n, int64_t k, bool zero_sent, at::Tenso
     }
   }
 
-  // Candidates: entries with key >= t inside blocks whose maximum is >= t, compacted per chunk.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(256, (nb + GRAIN_BLOCKS - 1) / GRAIN_BLOCKS));
-  std::vector<std::vector<A>> ckeys(chunks);
-  std::vector<std::vector<int64_t>> cidxs(chunks);
-  at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t b0 = nb * q / chunks, b1 = nb * (q + 1) / chunks;
-      std::vector<A>& ck = ckeys[q];
-      std::vector<int64_t>& ci = cidxs[q];
+  // Candidates: entries with key >= t of the groups whose maximum is >= t (and chunk tails), per part.
+  const int64_t parts = std::min<int64_t>(nch, 256);
+  std::vector<std::vector<A>> ckeys(parts);
+  std::vector<std::vector<int64_t>> cidxs(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int64_t> hits(GPC + 1);
+    for (int64_t p = p0; p < p1; ++p) {
+      std::vector<A>& ck = ckeys[p];
+      std::vector<int64_t>& ci = cidxs[p];
       int64_t c = 0;
-      for (int64_t b = b0; b < b1; ++b) {
-        if (bm[b] < t) continue;
-        const int64_t lo = b * BLOCK, hi = std::min(n, lo + BLOCK);
-        if (static_cast<int64_t>(ck.size()) < c + BLOCK) {
-          ck.resize(2 * (c + BLOCK));
-          ci.resize(2 * (c + BLOCK));
+      for (int64_t q = nch * p / parts; q < nch * (p + 1) / parts; ++q) {
+        const int64_t L = chunk_len(q);
+        const int64_t h = hit_groups(gm.get() + q * GPC, L / BLOCK, t, hits.data());
+        const int64_t need = c + h * BLOCK + BLOCK;
+        if (static_cast<int64_t>(ck.size()) < need) {
+          ck.resize(std::max<int64_t>(need, 2 * static_cast<int64_t>(ck.size())));
+          ci.resize(ck.size());
         }
-        A* kp = ck.data();
-        int64_t* ip = ci.data();
-        for (int64_t i = lo; i < hi; ++i) {
-          const A v = key_of<A>(a[i]);
-          kp[c] = v;
-          ip[c] = i;
-          c += v >= t;
-        }
+        c = scan_segment<A, T>(a + q * CHUNK, L, hits.data(), h, t, q * CHUNK, ck.data(), ci.data(), c);
       }
       ck.resize(c);
       ci.resize(c);
@@ -364,12 +432,12 @@ void topk_flat(T* a, const T* g, int64_t n, int64_t k, bool zero_sent, at::Tenso
   auto allk = buffer<A>(total);
   auto alli = buffer<int64_t>(total);
   int64_t off = 0;
-  for (int64_t q = 0; q < chunks; ++q) {
-    std::copy(ckeys[q].begin(), ckeys[q].end(), allk.get() + off);
-    std::copy(cidxs[q].begin(), cidxs[q].end(), alli.get() + off);
-    off += static_cast<int64_t>(ckeys[q].size());
-    std::vector<A>().swap(ckeys[q]);
-    std::vector<int64_t>().swap(cidxs[q]);
+  for (int64_t p = 0; p < parts; ++p) {
+    std::copy(ckeys[p].begin(), ckeys[p].end(), allk.get() + off);
+    std::copy(cidxs[p].begin(), cidxs[p].end(), alli.get() + off);
+    off += static_cast<int64_t>(ckeys[p].size());
+    std::vector<A>().swap(ckeys[p]);
+    std::vector<int64_t>().swap(cidxs[p]);
   }
   auto tmp = buffer<A>(total);
   int64_t* out = flat_out.data_ptr<int64_t>();
@@ -440,6 +508,18 @@ std::vector<at::Tensor> select_where(const at::Tensor& at_a, int64_t rows, int64
   return {values, flat};
 }
 
+// Entries of x[i0..i1) passing tf (32-bit partial counts keep the loop vectorisable).
+template <typename T, typename A> int64_t count_range(const T* x, int64_t i0, int64_t i1, A tf) {
+  int64_t total = 0;
+  for (int64_t s = i0; s < i1; s += (1 << 20)) {
+    const int64_t e = std::min(i1, s + (1 << 20));
+    int32_t c = 0;
+    for (int64_t i = s; i < e; ++i) c += passes<A>(key_of<A>(x[i]), tf);
+    total += c;
+  }
+  return total;
+}
+
 // Flat version: entries of a[0..n) with key passing tf, chunked over flat ranges.
 template <typename T, typename A>
 std::vector<at::Tensor> select_flat(const at::Tensor& at_a, A tf) {
@@ -451,7 +531,7 @@ std::vector<at::Tensor> select_flat(const at::Tensor& at_a, A tf) {
   at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       int64_t cnt = 0;
-      for (int64_t i = n * q / chunks; i < n * (q + 1) / chunks; ++i) cnt += passes<A>(key_of<A>(a[i]), tf);
+      cnt = count_range<T, A>(a, n * q / chunks, n * (q + 1) / chunks, tf);
       counts[q + 1] = cnt;
     }
   });
@@ -495,9 +575,7 @@ int64_t count_at_least(at::Tensor a, double t) {
     total = at::parallel_reduce(
         0, a.numel(), 1 << 16, int64_t(0),
         [&](int64_t i0, int64_t i1, int64_t acc) {
-          int64_t cnt = 0;
-          for (int64_t i = i0; i < i1; ++i) cnt += passes<A>(key_of<A>(x[i]), tf);
-          return acc + cnt;
+          return acc + count_range<scalar_t, A>(x, i0, i1, tf);
         },
         std::plus<int64_t>());
   });
