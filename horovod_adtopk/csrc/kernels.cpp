@@ -90,6 +90,26 @@ template <typename A> A kth_largest(const A* v, int64_t c, int64_t k, A* tmp) {
   return tmp[k - 1];
 }
 
+// A threshold t such that at least k of v[0..m) are >= t, close to the k-th largest: the order statistic
+// of a strided sample that should leave a few more than k, checked by counting; the exact k-th largest
+// (nth_element) when the check fails. Any such t bounds the fiber's k-th largest key from below.
+template <typename A> A group_threshold(const A* v, int64_t m, int64_t k, A* tmp) {
+  constexpr int64_t S = 256;
+  if (m >= 4 * S) {
+    for (int64_t i = 0; i < S; ++i) tmp[i] = v[(i * m) / S];
+    const double e = static_cast<double>(k) * S / m;
+    const int64_t j = static_cast<int64_t>(std::ceil(e + 3.0 * std::sqrt(e) + 2.0));
+    if (j <= S) {
+      std::nth_element(tmp, tmp + (j - 1), tmp + S, std::greater<A>());
+      const A t = tmp[j - 1];
+      int32_t cnt = 0;
+      for (int64_t i = 0; i < m; ++i) cnt += v[i] >= t;
+      if (cnt >= k) return t;
+    }
+  }
+  return kth_largest(v, m, k, tmp);
+}
+
 // Final step: among candidates (ckey, cidx) in ascending index order, at least k of them, write the top-k
 // positions in ascending order to out; ties at the k-th key go to the lower index.
 template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c, int64_t k, A* tmp, int64_t* out) {
@@ -216,7 +236,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
       } else {
         pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get());
         // The k-th largest group maximum t is a lower bound of the fiber's k-th largest key.
-        const A t = kth_largest(gm.get(), G, k, s.tmp.get());
+        const A t = group_threshold(gm.get(), G, k, s.tmp.get());
         const int64_t h = hit_groups(gm.get(), G, t, s.hits.get());
         c = scan_segment<A, T>(x, n, s.hits.get(), h, t, 0, ckey, cidx, 0);
       }
@@ -230,12 +250,13 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
 }
 
 // One tile of NC adjacent columns (NC fixed at compile time on full tiles so the inner loops vectorise):
-// walks the rows once, applies x += g and records, per block of BLOCK rows, the maximum key of every
-// column (bm[b * TILE + c]).
+// walks the rows once, applies x += g, stores the keys densely (kbuf[i * TILE + c], so the rescan reads a
+// compact, cache-resident buffer instead of rows far apart) and records, per block of BLOCK rows, the
+// maximum key of every column (bm[b * TILE + c]).
 constexpr int64_t TILE = 16;
 
 template <typename T, typename A, int64_t NC>
-void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* bm) {
+void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* bm, A* kbuf) {
   const int64_t nc = NC > 0 ? NC : nc_rt;
   const int64_t nb = num_blocks(rows);
   for (int64_t b = 0; b < nb; ++b) {
@@ -248,8 +269,10 @@ void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t
         const T* __restrict gi = g + i * cols + c0;
         for (int64_t c = 0; c < nc; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
       }
+      A* __restrict kr = kbuf + i * TILE;
       for (int64_t c = 0; c < nc; ++c) {
         const A kv = key_of<A>(x[c]);
+        kr[c] = kv;
         m[c] = m[c] > kv ? m[c] : kv;
       }
     }
@@ -270,21 +293,22 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
     auto tmp = buffer<A>(cap);
     auto bm = buffer<A>(TILE * nb);
     auto col_bm = buffer<A>(nb);
+    auto kbuf = buffer<A>(TILE * n);
     A thr[TILE];
     int64_t cnt[TILE], hit[TILE];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * TILE, nc = std::min(TILE, cols - c0);
       if (nc == TILE)
-        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, bm.get());
+        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
       else
-        pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, bm.get());
+        pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
       for (int64_t c = 0; c < nc; ++c) {
         cnt[c] = 0;
         if (direct) {
           thr[c] = -inf_of<A>();
         } else {  // the k-th largest block maximum of the column bounds its k-th largest key from below
           for (int64_t b = 0; b < nb; ++b) col_bm[b] = bm[b * TILE + c];
-          thr[c] = kth_largest(col_bm.get(), nb, k, tmp.get());
+          thr[c] = group_threshold(col_bm.get(), nb, k, tmp.get());
         }
       }
       // Rescan the tile block by block; in every block only the columns whose block maximum reaches their
@@ -298,10 +322,10 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
         if (nh == 0) continue;
         const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
         for (int64_t i = lo; i < hi; ++i) {
-          const T* x = a + i * cols + c0;
+          const A* kr = kbuf.get() + i * TILE;
           for (int64_t q = 0; q < nh; ++q) {
             const int64_t c = hit[q];
-            const A v = key_of<A>(x[c]);
+            const A v = kr[c];
             const int64_t o = c * cap + cnt[c];
             ckey[o] = v;
             cidx[o] = i;
