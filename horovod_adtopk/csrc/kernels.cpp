@@ -254,6 +254,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
 // compact, cache-resident buffer instead of rows far apart) and records, per block of BLOCK rows, the
 // maximum key of every column (bm[b * TILE + c]).
 constexpr int64_t TILE = 16;
+constexpr int64_t PREFETCH_ROWS = 16;
 
 template <typename T, typename A, int64_t NC>
 void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* bm, A* kbuf) {
@@ -265,6 +266,11 @@ void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t
     const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
     for (int64_t i = lo; i < hi; ++i) {
       T* __restrict x = a + i * cols + c0;
+      // Rows are far apart (often more than a page), which hardware prefetchers do not follow: fetch ahead.
+      if (i + PREFETCH_ROWS < rows) {
+        __builtin_prefetch(x + PREFETCH_ROWS * cols, 1);
+        if (g != nullptr) __builtin_prefetch(g + (i + PREFETCH_ROWS) * cols + c0, 0);
+      }
       if (g != nullptr) {
         const T* __restrict gi = g + i * cols + c0;
         for (int64_t c = 0; c < nc; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
