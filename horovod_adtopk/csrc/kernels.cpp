@@ -6,16 +6,20 @@
 //
 // Exact top-k of a fiber without sorting it
 // -----------------------------------------
-// The fiber is cut into blocks of BLOCK consecutive entries and the maximum key of every block is recorded
-// during the first pass over the data (fused with the error-feedback add ``a += grad``). If t is the k-th
-// largest block maximum, the k blocks whose maxima are >= t hold k distinct entries >= t, so the k-th
-// largest key of the fiber is >= t: every entry of the top-k has key >= t and lies in a block whose maximum
-// is >= t. Only those blocks are scanned again (about k of them), their entries with key >= t are compacted
-// as candidates (typically about 1.1 k), and an exact selection among the candidates finishes the job. The
-// threshold never depends on a random sample, so the result is always exact. Ties at the k-th key are
-// resolved towards the lower index, and positions come out in ascending order.
+// The fiber is partitioned into groups of BLOCK entries and the maximum key of every group is recorded
+// during the first pass over the data (fused with the error-feedback add ``a += grad``). Row fibers and
+// the flat tensor use interleaved groups (entries j, j + G, j + 2G, ...: the maxima are elementwise
+// maxima of contiguous runs, so the pass vectorises); column fibers use blocks of BLOCK consecutive rows.
+// If at least k group maxima are >= t, those groups hold k distinct entries >= t, so the k-th largest key
+// of the fiber is >= t: every entry of the top-k has key >= t and lies in a group whose maximum is >= t.
+// t is the order statistic of a small strided sample of the maxima that should leave a few more than k
+// groups, checked by counting (and the exact k-th largest maximum when the check fails), so exactness
+// never depends on the sample. Only the groups reaching t are scanned again (a few more than k of them),
+// their entries with key >= t are compacted as candidates, and an exact selection (nth_element) among the
+// candidates finishes the job. Ties at the k-th key are resolved towards the lower index, and positions
+// come out in ascending order.
 //
-// When k is a large share of the fiber (too few blocks per kept entry) all entries are candidates.
+// When k is a large share of the fiber (too few groups per kept entry) all entries are candidates.
 
 #include <torch/extension.h>
 
