@@ -1,0 +1,657 @@
+// Native CPU selection kernels for horovod_adtopk (the extension module horovod_adtopk._C).
+//
+// Every selection ranks entries by the key |x| with NaN mapped to +inf (so NaN and +-Inf rank above every
+// finite magnitude). Keys are compared as float (fp16 / bf16 / fp32 inputs, all exactly representable) or
+// double (fp64 inputs).
+//
+// Exact top-k of a fiber without sorting it
+// -----------------------------------------
+// The fiber is partitioned into groups of BLOCK entries and the maximum key of every group is recorded
+// during the first pass over the data (fused with the error-feedback add ``a += grad``). Row fibers and
+// the flat tensor use interleaved groups (entries j, j + G, j + 2G, ...: the maxima are elementwise
+// maxima of contiguous runs, so the pass vectorises); column fibers use blocks of BLOCK consecutive rows.
+// If at least k group maxima are >= t, those groups hold k distinct entries >= t, so the k-th largest key
+// of the fiber is >= t: every entry of the top-k has key >= t and lies in a group whose maximum is >= t.
+// t is the order statistic of a small strided sample of the maxima that should leave a few more than k
+// groups, checked by counting (and the exact k-th largest maximum when the check fails), so exactness
+// never depends on the sample. Only the groups reaching t are scanned again (a few more than k of them),
+// their entries with key >= t are compacted as candidates, and an exact selection (nth_element) among the
+// candidates finishes the job. Ties at the k-th key are resolved towards the lower index, and positions
+// come out in ascending order.
+//
+// When k is a large share of the fiber (too few groups per kept entry) all entries are candidates.
+
+#include <torch/extension.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 16;  // entries per block (one 64-byte cache line of fp32)
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+template <typename A> inline A inf_of() { return std::numeric_limits<A>::infinity(); }
+
+// |x|, with NaN -> +inf. Written branch-free so that loops using it vectorise.
+template <typename A, typename T> inline A key_of(T x) {
+  A v = std::abs(static_cast<A>(x));
+  return v == v ? v : inf_of<A>();
+}
+
+// The smallest A >= t (exact comparison of A keys against a double threshold); NaN gives +inf.
+template <typename A> A ceil_to(double t) {
+  if (std::isnan(t)) return inf_of<A>();  // only non-finite entries (key +inf) pass
+  if (t > static_cast<double>(std::numeric_limits<A>::max())) return inf_of<A>();
+  if (t < -static_cast<double>(std::numeric_limits<A>::max())) return -inf_of<A>();
+  A f = static_cast<A>(t);
+  if (static_cast<double>(f) < t) f = std::nextafter(f, inf_of<A>());
+  return f;
+}
+
+// Whether a key passes threshold t (from ceil_to, never NaN): non-finite keys are +inf and always pass.
+template <typename A> inline bool passes(A key, A t) { return key >= t; }
+
+template <typename U> std::unique_ptr<U[]> buffer(int64_t n) { return std::unique_ptr<U[]>(new U[std::max<int64_t>(n, 1)]); }
+
+inline int64_t num_blocks(int64_t n) { return (n + BLOCK - 1) / BLOCK; }
+
+// Whether a fiber of length n keeping k goes straight to an exact selection over all entries.
+inline bool direct_select(int64_t n, int64_t k) { return n < 4 * BLOCK || k * 4 * BLOCK > n; }
+
+template <typename T, typename A> inline T add_as(T x, T g) { return static_cast<T>(static_cast<A>(x) + static_cast<A>(g)); }
+
+// Per-thread scratch for fiber selection.
+template <typename A> struct Scratch {
+  int64_t cap = 0;
+  std::unique_ptr<A[]> tmp, ckey;
+  std::unique_ptr<int64_t[]> cidx;
+  std::unique_ptr<int64_t[]> hits;
+  void reserve(int64_t n) {
+    if (n + BLOCK <= cap) return;
+    cap = n + BLOCK;
+    tmp = buffer<A>(cap);
+    ckey = buffer<A>(cap);
+    cidx = buffer<int64_t>(cap);
+    hits = buffer<int64_t>(cap / BLOCK + 1);
+  }
+};
+
+// The k-th largest of v[0..c) (v is copied into tmp).
+template <typename A> A kth_largest(const A* v, int64_t c, int64_t k, A* tmp) {
+  std::copy(v, v + c, tmp);
+  std::nth_element(tmp, tmp + (k - 1), tmp + c, std::greater<A>());
+  return tmp[k - 1];
+}
+
+// A threshold t such that at least k of v[0..m) are >= t, close to the k-th largest: the order statistic
+// of a strided sample that should leave a few more than k, checked by counting; the exact k-th largest
+// (nth_element) when the check fails. Any such t bounds the fiber's k-th largest key from below.
+template <typename A> A group_threshold(const A* v, int64_t m, int64_t k, A* tmp) {
+  constexpr int64_t S = 256;
+  if (m >= 4 * S) {
+    for (int64_t i = 0; i < S; ++i) tmp[i] = v[(i * m) / S];
+    const double e = static_cast<double>(k) * S / m;
+    const int64_t j = static_cast<int64_t>(std::ceil(e + 3.0 * std::sqrt(e) + 2.0));
+    if (j <= S) {
+      std::nth_element(tmp, tmp + (j - 1), tmp + S, std::greater<A>());
+      const A t = tmp[j - 1];
+      int32_t cnt = 0;
+      for (int64_t i = 0; i < m; ++i) cnt += v[i] >= t;
+      if (cnt >= k) return t;
+    }
+  }
+  return kth_largest(v, m, k, tmp);
+}
+
+// Final step: among candidates (ckey, cidx) in ascending index order, at least k of them, write the top-k
+// positions in ascending order to out; ties at the k-th key go to the lower index.
+template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c, int64_t k, A* tmp, int64_t* out) {
+  if (c == k) {
+    std::copy(cidx, cidx + c, out);
+    return;
+  }
+  const A kth = kth_largest(ckey, c, k, tmp);
+  int64_t gt = 0;
+  for (int64_t j = 0; j < c; ++j) gt += ckey[j] > kth;
+  int64_t quota = k - gt;
+  int64_t o = 0;
+  for (int64_t j = 0; j < c; ++j) {
+    const A v = ckey[j];
+    if (v > kth) {
+      out[o++] = cidx[j];
+    } else if (v == kth && quota > 0) {
+      out[o++] = cidx[j];
+      --quota;
+    }
+  }
+}
+
+// ---- segments with interleaved groups ------------------------------------------------------------------
+//
+// A contiguous segment of length L has G = L / BLOCK groups; group j holds entries j, j + G, ...,
+// j + (BLOCK - 1) G. The last L - BLOCK * G entries (the tail, fewer than BLOCK) belong to no group and are
+// always scanned. Group maxima are elementwise maxima of BLOCK contiguous runs, so the first pass is a
+// plain vectorisable loop, and rescanning the hit groups row by row visits entries in ascending order.
+
+// First pass: x += g (optional), group maxima of the keys into gm[0..G).
+template <typename T, typename A>
+void pass_segment(T* __restrict x, const T* __restrict g, int64_t L, A* __restrict gm) {
+  const int64_t G = L / BLOCK;
+  if (g != nullptr)
+    for (int64_t i = BLOCK * G; i < L; ++i) x[i] = add_as<T, A>(x[i], g[i]);
+  if (G == 0) return;
+  for (int64_t j = 0; j < G; ++j) {
+    if (g != nullptr) x[j] = add_as<T, A>(x[j], g[j]);
+    gm[j] = key_of<A>(x[j]);
+  }
+  for (int64_t r = 1; r < BLOCK; ++r) {
+    T* __restrict xr = x + r * G;
+    if (g != nullptr) {
+      const T* __restrict gr = g + r * G;
+      for (int64_t j = 0; j < G; ++j) {
+        const T v = add_as<T, A>(xr[j], gr[j]);
+        xr[j] = v;
+        const A kv = key_of<A>(v);
+        gm[j] = gm[j] > kv ? gm[j] : kv;
+      }
+    } else {
+      for (int64_t j = 0; j < G; ++j) {
+        const A kv = key_of<A>(xr[j]);
+        gm[j] = gm[j] > kv ? gm[j] : kv;
+      }
+    }
+  }
+}
+
+// Groups of a segment whose maximum reaches t, ascending, into hits; returns how many.
+template <typename A> int64_t hit_groups(const A* gm, int64_t G, A t, int64_t* hits) {
+  int64_t h = 0;
+  for (int64_t j = 0; j < G; ++j) {
+    hits[h] = j;
+    h += gm[j] >= t;
+  }
+  return h;
+}
+
+// Appends the entries with key >= t of the hit groups and the tail, in ascending index order (base + i),
+// starting at ckey/cidx[c]; returns the new count. Needs room for h * BLOCK + BLOCK more entries.
+template <typename A, typename T>
+int64_t scan_segment(const T* x, int64_t L, const int64_t* hits, int64_t h, A t, int64_t base, A* ckey,
+                     int64_t* cidx, int64_t c) {
+  const int64_t G = L / BLOCK;
+  for (int64_t r = 0; r < BLOCK && G > 0; ++r) {
+    const T* xr = x + r * G;
+    for (int64_t q = 0; q < h; ++q) {  // branch-free compaction
+      const int64_t j = hits[q];
+      const A v = key_of<A>(xr[j]);
+      ckey[c] = v;
+      cidx[c] = base + r * G + j;
+      c += v >= t;
+    }
+  }
+  for (int64_t i = BLOCK * G; i < L; ++i) {
+    const A v = key_of<A>(x[i]);
+    ckey[c] = v;
+    cidx[c] = base + i;
+    c += v >= t;
+  }
+  return c;
+}
+
+// ---- all-dimension top-k -------------------------------------------------------------------------------
+
+template <typename T>
+void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero_sent, T* values, int64_t* local) {
+  using A = typename AccOf<T>::type;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));
+  const bool direct = direct_select(n, k);
+  const int64_t G = n / BLOCK;
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    Scratch<A> s;
+    s.reserve(n);
+    auto gm = buffer<A>(G);
+    A* ckey = s.ckey.get();
+    int64_t* cidx = s.cidx.get();
+    for (int64_t r = r0; r < r1; ++r) {
+      T* x = a + r * n;
+      int64_t* out = local + r * k;
+      int64_t c;
+      if (direct) {
+        if (g != nullptr) {
+          const T* gr = g + r * n;
+          for (int64_t i = 0; i < n; ++i) x[i] = add_as<T, A>(x[i], gr[i]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          ckey[i] = key_of<A>(x[i]);
+          cidx[i] = i;
+        }
+        c = n;
+      } else {
+        pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get());
+        // The k-th largest group maximum t is a lower bound of the fiber's k-th largest key.
+        const A t = group_threshold(gm.get(), G, k, s.tmp.get());
+        const int64_t h = hit_groups(gm.get(), G, t, s.hits.get());
+        c = scan_segment<A, T>(x, n, s.hits.get(), h, t, 0, ckey, cidx, 0);
+      }
+      finish(ckey, cidx, c, k, s.tmp.get(), out);
+      T* vo = values + r * k;
+      for (int64_t j = 0; j < k; ++j) vo[j] = x[out[j]];
+      if (zero_sent)
+        for (int64_t j = 0; j < k; ++j) x[out[j]] = static_cast<T>(0);
+    }
+  });
+}
+
+// One tile of NC adjacent columns (NC fixed at compile time on full tiles so the inner loops vectorise):
+// walks the rows once, applies x += g, stores the keys densely (kbuf[i * TILE + c], so the rescan reads a
+// compact, cache-resident buffer instead of rows far apart) and records, per block of BLOCK rows, the
+// maximum key of every column (bm[b * TILE + c]).
+constexpr int64_t TILE = 16;
+constexpr int64_t PREFETCH_ROWS = 16;
+
+template <typename T, typename A, int64_t NC>
+void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t nc_rt, A* bm, A* kbuf) {
+  const int64_t nc = NC > 0 ? NC : nc_rt;
+  const int64_t nb = num_blocks(rows);
+  for (int64_t b = 0; b < nb; ++b) {
+    A m[TILE];
+    for (int64_t c = 0; c < nc; ++c) m[c] = 0;
+    const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
+    for (int64_t i = lo; i < hi; ++i) {
+      T* __restrict x = a + i * cols + c0;
+      // Rows are far apart (often more than a page), which hardware prefetchers do not follow: fetch ahead.
+      if (i + PREFETCH_ROWS < rows) {
+        __builtin_prefetch(x + PREFETCH_ROWS * cols, 1);
+        if (g != nullptr) __builtin_prefetch(g + (i + PREFETCH_ROWS) * cols + c0, 0);
+      }
+      if (g != nullptr) {
+        const T* __restrict gi = g + i * cols + c0;
+        for (int64_t c = 0; c < nc; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
+      }
+      A* __restrict kr = kbuf + i * TILE;
+      for (int64_t c = 0; c < nc; ++c) {
+        const A kv = key_of<A>(x[c]);
+        kr[c] = kv;
+        m[c] = m[c] > kv ? m[c] : kv;
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c) bm[b * TILE + c] = m[c];
+  }
+}
+
+template <typename T>
+void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool zero_sent, T* values, int64_t* local) {
+  using A = typename AccOf<T>::type;
+  const int64_t n = rows, nb = num_blocks(rows);
+  const int64_t tiles = (cols + TILE - 1) / TILE;
+  const bool direct = direct_select(n, k);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t cap = n + BLOCK;
+    auto ckey = buffer<A>(TILE * cap);
+    auto cidx = buffer<int64_t>(TILE * cap);
+    auto tmp = buffer<A>(cap);
+    auto bm = buffer<A>(TILE * nb);
+    auto col_bm = buffer<A>(nb);
+    auto kbuf = buffer<A>(TILE * n);
+    A thr[TILE];
+    int64_t cnt[TILE], hit[TILE];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * TILE, nc = std::min(TILE, cols - c0);
+      if (nc == TILE)
+        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
+      else
+        pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
+      for (int64_t c = 0; c < nc; ++c) {
+        cnt[c] = 0;
+        if (direct) {
+          thr[c] = -inf_of<A>();
+        } else {  // the k-th largest block maximum of the column bounds its k-th largest key from below
+          for (int64_t b = 0; b < nb; ++b) col_bm[b] = bm[b * TILE + c];
+          thr[c] = group_threshold(col_bm.get(), nb, k, tmp.get());
+        }
+      }
+      // Rescan the tile block by block; in every block only the columns whose block maximum reaches their
+      // threshold, compacting entries with key >= threshold (ascending rows per column).
+      for (int64_t b = 0; b < nb; ++b) {
+        int64_t nh = 0;
+        for (int64_t c = 0; c < nc; ++c) {
+          hit[nh] = c;
+          nh += bm[b * TILE + c] >= thr[c];
+        }
+        if (nh == 0) continue;
+        const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
+        for (int64_t i = lo; i < hi; ++i) {
+          const A* kr = kbuf.get() + i * TILE;
+          for (int64_t q = 0; q < nh; ++q) {
+            const int64_t c = hit[q];
+            const A v = kr[c];
+            const int64_t o = c * cap + cnt[c];
+            ckey[o] = v;
+            cidx[o] = i;
+            cnt[c] += v >= thr[c];
+          }
+        }
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t f = c0 + c;
+        int64_t* out = local + f * k;
+        finish(ckey.get() + c * cap, cidx.get() + c * cap, cnt[c], k, tmp.get(), out);
+        T* vo = values + f * k;
+        for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j] * cols + f];
+        if (zero_sent)
+          for (int64_t j = 0; j < k; ++j) a[out[j] * cols + f] = static_cast<T>(0);
+      }
+    }
+  });
+}
+
+void check_input(const at::Tensor& a, const c10::optional<at::Tensor>& grad) {
+  TORCH_CHECK(a.device().is_cpu(), "horovod_adtopk._C: expected a CPU tensor");
+  TORCH_CHECK(a.is_contiguous(), "horovod_adtopk._C: expected a contiguous tensor");
+  if (grad.has_value()) {
+    const at::Tensor& g = *grad;
+    TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == a.scalar_type() &&
+                    g.numel() == a.numel(),
+                "horovod_adtopk._C: grad must be a contiguous CPU tensor of a's dtype and size");
+  }
+}
+
+std::vector<at::Tensor> adtopk_select(at::Tensor a, int64_t rows, int64_t cols, int64_t axis, int64_t k,
+                                      c10::optional<at::Tensor> grad, bool zero_sent) {
+  check_input(a, grad);
+  TORCH_CHECK(rows >= 0 && cols >= 0 && rows * cols == a.numel(), "horovod_adtopk._C: rows * cols != numel");
+  TORCH_CHECK(axis == 0 || axis == 1, "horovod_adtopk._C: axis must be 0 or 1");
+  const int64_t n = axis == 1 ? cols : rows, nf = axis == 1 ? rows : cols;
+  TORCH_CHECK(k >= 1 && k <= n, "horovod_adtopk._C: need 1 <= k <= fiber length");
+  at::Tensor values = at::empty({nf, k}, a.options());
+  at::Tensor local = at::empty({nf, k}, a.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "adtopk_select", [&] {
+    scalar_t* ap = a.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.has_value() ? grad->data_ptr<scalar_t>() : nullptr;
+    if (axis == 1)
+      adtopk_rows<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
+    else
+      adtopk_cols<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
+  });
+  return {values, local};
+}
+
+// ---- global top-k --------------------------------------------------------------------------------------
+
+template <typename T>
+void topk_flat(T* a, const T* g, int64_t n, int64_t k, bool zero_sent, at::Tensor& values_out, at::Tensor& flat_out) {
+  using A = typename AccOf<T>::type;
+  // Chunks of CHUNK entries, each a segment with CHUNK / BLOCK interleaved groups (its maxima stay in cache).
+  constexpr int64_t GPC = 4096, CHUNK = GPC * BLOCK;
+  const int64_t nch = (n + CHUNK - 1) / CHUNK;
+  auto chunk_len = [&](int64_t q) { return std::min(CHUNK, n - q * CHUNK); };
+  const int64_t ng = (nch - 1) * GPC + chunk_len(nch - 1) / BLOCK;  // groups overall (chunk q's at q * GPC)
+  auto gm = buffer<A>(nch * GPC);
+  at::parallel_for(0, nch, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      pass_segment<T, A>(a + q * CHUNK, g ? g + q * CHUNK : nullptr, chunk_len(q), gm.get() + q * GPC);
+  });
+
+  // Threshold on the group maxima: any t with at least k maxima >= t is a valid lower bound of the k-th
+  // largest key. Estimate a tight one from a strided sample of the maxima, check it by counting, and lower
+  // it until the count is reached (finally -inf: everything). Exactness never depends on the sample.
+  A t = -inf_of<A>();
+  if (!direct_select(n, k) && ng >= k) {
+    const int64_t S = std::min<int64_t>(ng, 16384);
+    auto sample = buffer<A>(S);
+    auto group = [&](int64_t i) { return gm[(i / GPC) * GPC + i % GPC]; };  // i-th group overall
+    for (int64_t i = 0; i < S; ++i) sample[i] = group((i * ng) / S);
+    std::sort(sample.get(), sample.get() + S, std::greater<A>());
+    const double expect = static_cast<double>(k) * S / ng;
+    int64_t j = static_cast<int64_t>(std::ceil(expect + 4.0 * std::sqrt(expect) + 4.0));
+    while (j <= S) {
+      const A cand = sample[j - 1];
+      const int64_t cnt = at::parallel_reduce(
+          0, nch, 1, int64_t(0),
+          [&](int64_t q0, int64_t q1, int64_t acc) {
+            for (int64_t q = q0; q < q1; ++q) {
+              const A* gq = gm.get() + q * GPC;
+              int32_t c = 0;
+              for (int64_t i = 0, e = chunk_len(q) / BLOCK; i < e; ++i) c += gq[i] >= cand;
+              acc += c;
+            }
+            return acc;
+          },
+          std::plus<int64_t>());
+      if (cnt >= k) {
+        t = cand;
+        break;
+      }
+      j *= 4;
+    }
+  }
+
+  // Candidates: entries with key >= t of the groups whose maximum is >= t (and chunk tails), per part.
+  const int64_t parts = std::min<int64_t>(nch, 256);
+  std::vector<std::vector<A>> ckeys(parts);
+  std::vector<std::vector<int64_t>> cidxs(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int64_t> hits(GPC + 1);
+    for (int64_t p = p0; p < p1; ++p) {
+      std::vector<A>& ck = ckeys[p];
+      std::vector<int64_t>& ci = cidxs[p];
+      int64_t c = 0;
+      for (int64_t q = nch * p / parts; q < nch * (p + 1) / parts; ++q) {
+        const int64_t L = chunk_len(q);
+        const int64_t h = hit_groups(gm.get() + q * GPC, L / BLOCK, t, hits.data());
+        const int64_t need = c + h * BLOCK + BLOCK;
+        if (static_cast<int64_t>(ck.size()) < need) {
+          ck.resize(std::max<int64_t>(need, 2 * static_cast<int64_t>(ck.size())));
+          ci.resize(ck.size());
+        }
+        c = scan_segment<A, T>(a + q * CHUNK, L, hits.data(), h, t, q * CHUNK, ck.data(), ci.data(), c);
+      }
+      ck.resize(c);
+      ci.resize(c);
+    }
+  });
+  int64_t total = 0;
+  for (const auto& ck : ckeys) total += static_cast<int64_t>(ck.size());
+  auto allk = buffer<A>(total);
+  auto alli = buffer<int64_t>(total);
+  int64_t off = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    std::copy(ckeys[p].begin(), ckeys[p].end(), allk.get() + off);
+    std::copy(cidxs[p].begin(), cidxs[p].end(), alli.get() + off);
+    off += static_cast<int64_t>(ckeys[p].size());
+    std::vector<A>().swap(ckeys[p]);
+    std::vector<int64_t>().swap(cidxs[p]);
+  }
+  auto tmp = buffer<A>(total);
+  int64_t* out = flat_out.data_ptr<int64_t>();
+  finish(allk.get(), alli.get(), total, k, tmp.get(), out);
+  T* vo = values_out.data_ptr<T>();
+  for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j]];
+  if (zero_sent)
+    for (int64_t j = 0; j < k; ++j) a[out[j]] = static_cast<T>(0);
+}
+
+std::vector<at::Tensor> topk_select(at::Tensor a, int64_t k, c10::optional<at::Tensor> grad, bool zero_sent) {
+  check_input(a, grad);
+  const int64_t n = a.numel();
+  TORCH_CHECK(k >= 1 && k <= n, "horovod_adtopk._C: need 1 <= k <= numel");
+  at::Tensor values = at::empty({k}, a.options());
+  at::Tensor flat = at::empty({k}, a.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "topk_select", [&] {
+    topk_flat<scalar_t>(a.data_ptr<scalar_t>(), grad.has_value() ? grad->data_ptr<scalar_t>() : nullptr, n, k,
+                        zero_sent, values, flat);
+  });
+  return {values, flat};
+}
+
+// ---- thresholds ----------------------------------------------------------------------------------------
+
+// Entries of rows [r0, r1) of a rows x cols matrix passing their threshold: thr(r, c) gives it.
+template <typename T, typename A, typename ThrFn>
+int64_t count_rows(const T* a, int64_t cols, int64_t r0, int64_t r1, ThrFn thr) {
+  int64_t cnt = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = a + r * cols;
+    for (int64_t c = 0; c < cols; ++c) cnt += passes<A>(key_of<A>(x[c]), thr(r, c));
+  }
+  return cnt;
+}
+
+// Two passes over row chunks: count, then write (values, flat indices) in ascending flat order.
+template <typename T, typename A, typename ThrFn>
+std::vector<at::Tensor> select_where(const at::Tensor& at_a, int64_t rows, int64_t cols, ThrFn thr) {
+  const T* a = at_a.data_ptr<T>();
+  const int64_t grain_rows = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(1024, (rows + grain_rows - 1) / grain_rows));
+  std::vector<int64_t> counts(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q)
+      counts[q + 1] = count_rows<T, A>(a, cols, rows * q / chunks, rows * (q + 1) / chunks, thr);
+  });
+  for (int64_t q = 0; q < chunks; ++q) counts[q + 1] += counts[q];
+  at::Tensor values = at::empty({counts[chunks]}, at_a.options());
+  at::Tensor flat = at::empty({counts[chunks]}, at_a.options().dtype(at::kLong));
+  T* vo = values.data_ptr<T>();
+  int64_t* io = flat.data_ptr<int64_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      int64_t o = counts[q];
+      for (int64_t r = rows * q / chunks; r < rows * (q + 1) / chunks; ++r) {
+        const T* x = a + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          if (passes<A>(key_of<A>(x[c]), thr(r, c))) {
+            vo[o] = x[c];
+            io[o] = r * cols + c;
+            ++o;
+          }
+        }
+      }
+    }
+  });
+  return {values, flat};
+}
+
+// Entries of x[i0..i1) passing tf (32-bit partial counts keep the loop vectorisable).
+template <typename T, typename A> int64_t count_range(const T* x, int64_t i0, int64_t i1, A tf) {
+  int64_t total = 0;
+  for (int64_t s = i0; s < i1; s += (1 << 20)) {
+    const int64_t e = std::min(i1, s + (1 << 20));
+    int32_t c = 0;
+    for (int64_t i = s; i < e; ++i) c += passes<A>(key_of<A>(x[i]), tf);
+    total += c;
+  }
+  return total;
+}
+
+// Flat version: entries of a[0..n) with key passing tf, chunked over flat ranges.
+template <typename T, typename A>
+std::vector<at::Tensor> select_flat(const at::Tensor& at_a, A tf) {
+  const T* a = at_a.data_ptr<T>();
+  const int64_t n = at_a.numel();
+  constexpr int64_t GRAIN = 65536;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(1024, (n + GRAIN - 1) / GRAIN));
+  std::vector<int64_t> counts(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      int64_t cnt = 0;
+      cnt = count_range<T, A>(a, n * q / chunks, n * (q + 1) / chunks, tf);
+      counts[q + 1] = cnt;
+    }
+  });
+  for (int64_t q = 0; q < chunks; ++q) counts[q + 1] += counts[q];
+  at::Tensor values = at::empty({counts[chunks]}, at_a.options());
+  at::Tensor flat = at::empty({counts[chunks]}, at_a.options().dtype(at::kLong));
+  T* vo = values.data_ptr<T>();
+  int64_t* io = flat.data_ptr<int64_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      int64_t o = counts[q];
+      for (int64_t i = n * q / chunks; i < n * (q + 1) / chunks; ++i) {
+        if (passes<A>(key_of<A>(a[i]), tf)) {
+          vo[o] = a[i];
+          io[o] = i;
+          ++o;
+        }
+      }
+    }
+  });
+  return {values, flat};
+}
+
+std::vector<at::Tensor> threshold_select(at::Tensor a, double t) {
+  check_input(a, c10::nullopt);
+  std::vector<at::Tensor> res;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "threshold_select", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    res = select_flat<scalar_t, A>(a, ceil_to<A>(t));
+  });
+  return res;
+}
+
+int64_t count_at_least(at::Tensor a, double t) {
+  check_input(a, c10::nullopt);
+  int64_t total = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "count_at_least", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const A tf = ceil_to<A>(t);
+    const scalar_t* x = a.data_ptr<scalar_t>();
+    total = at::parallel_reduce(
+        0, a.numel(), 1 << 16, int64_t(0),
+        [&](int64_t i0, int64_t i1, int64_t acc) {
+          return acc + count_range<scalar_t, A>(x, i0, i1, tf);
+        },
+        std::plus<int64_t>());
+  });
+  return total;
+}
+
+std::vector<at::Tensor> fiber_threshold_select(at::Tensor a, int64_t rows, int64_t cols, int64_t axis,
+                                               at::Tensor thresholds) {
+  check_input(a, c10::nullopt);
+  TORCH_CHECK(rows >= 0 && cols >= 0 && rows * cols == a.numel(), "horovod_adtopk._C: rows * cols != numel");
+  TORCH_CHECK(axis == 0 || axis == 1, "horovod_adtopk._C: axis must be 0 or 1");
+  const int64_t nf = axis == 1 ? rows : cols;
+  TORCH_CHECK(thresholds.scalar_type() == at::kDouble && thresholds.device().is_cpu() &&
+                  thresholds.is_contiguous() && thresholds.numel() == nf,
+              "horovod_adtopk._C: thresholds must be a contiguous CPU float64 tensor of num_fibers entries");
+  std::vector<at::Tensor> res;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "fiber_threshold_select", [&] {
+    using A = typename AccOf<scalar_t>::type;
+    const double* tp = thresholds.data_ptr<double>();
+    std::vector<A> tf(nf);
+    for (int64_t f = 0; f < nf; ++f) tf[f] = ceil_to<A>(tp[f]);
+    const A* tv = tf.data();
+    if (axis == 1)
+      res = select_where<scalar_t, A>(a, rows, cols, [tv](int64_t r, int64_t) { return tv[r]; });
+    else
+      res = select_where<scalar_t, A>(a, rows, cols, [tv](int64_t, int64_t c) { return tv[c]; });
+  });
+  return res;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Native CPU selection kernels of horovod_adtopk (use horovod_adtopk.kernels)";
+  m.def("adtopk_select", &adtopk_select, "Per-fiber exact top-k of |a| (optionally a += grad first)",
+        py::arg("a"), py::arg("rows"), py::arg("cols"), py::arg("axis"), py::arg("k"), py::arg("grad") = py::none(),
+        py::arg("zero_sent") = false);
+  m.def("topk_select", &topk_select, "Exact global top-k of |a|", py::arg("a"), py::arg("k"),
+        py::arg("grad") = py::none(), py::arg("zero_sent") = false);
+  m.def("threshold_select", &threshold_select, "Entries with |a| >= t or non-finite", py::arg("a"), py::arg("t"));
+  m.def("count_at_least", &count_at_least, "Number of entries with |a| >= t or non-finite", py::arg("a"),
+        py::arg("t"));
+  m.def("fiber_threshold_select", &fiber_threshold_select, "Entries reaching their fiber's threshold",
+        py::arg("a"), py::arg("rows"), py::arg("cols"), py::arg("axis"), py::arg("thresholds"));
+}

@@ -1,0 +1,368 @@
+"""horovod_adtopk.kernels against the independent numpy reference (tests/reference.py).
+
+Every selection test runs on both CPU implementations: the native extension (skipped, with a message, when
+it was not built) and the pure-PyTorch fallback. Selected sets are compared as masks; where magnitudes tie,
+validity is checked instead (k per fiber, every selected magnitude >= every unselected one). The native
+kernel breaks ties towards the lower index, as the reference's stable argsort does, so it must match the
+reference mask exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from horovod_adtopk import kernels as K
+
+from tests import reference as ref
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+NATIVE_SKIP = "native extension horovod_adtopk._C not built (python setup.py build_ext --inplace); fallback only"
+
+
+@pytest.fixture(params=["native", "torch"])
+def impl(request, monkeypatch):
+    if request.param == "native":
+        if not K.native_available():
+            pytest.skip(NATIVE_SKIP)
+        monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", "1")
+        assert K.backend(torch.zeros(1)) == "native-cpu"
+    else:
+        monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", "0")
+        assert K.backend(torch.zeros(1)) == "torch"
+    return request.param
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def as_np(x: torch.Tensor) -> np.ndarray:
+    """float64 numpy copy (exact for every floating dtype)."""
+    return x.detach().to(torch.float64).numpy()
+
+
+def keys(x: np.ndarray) -> np.ndarray:
+    mag = np.abs(x)
+    return np.where(np.isnan(mag), np.inf, mag)
+
+
+def ratio_for(k: int, n: int) -> float:
+    """A ratio for which the reference keeps exactly k of n: max(1, floor(ratio * n)) == k."""
+    return 1.0 if k == n else (k + 0.5) / n
+
+
+def make(shape, dtype, kind="normal", seed=0, special=0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "normal":
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+    elif kind == "ints":  # many ties
+        x = torch.randint(-4, 5, shape, generator=g).to(torch.float64)
+    elif kind == "equal":
+        x = torch.full(shape, -1.5, dtype=torch.float64)
+    else:
+        raise ValueError(kind)
+    x = x.to(dtype)
+    if special > 0:
+        flat = x.view(-1)
+        pick = torch.rand(flat.numel(), generator=g) < special
+        choice = torch.randint(0, 3, (flat.numel(),), generator=g)
+        specials = torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype)
+        flat[pick] = specials[choice[pick]]
+    return x
+
+
+def check_fibers(a_sel: np.ndarray, axis: int, k: int, values: torch.Tensor, local: torch.Tensor) -> np.ndarray:
+    """Validate one adtopk_select result against the matrix it selected from; return the mask [rows, cols]."""
+    mt = a_sel if axis == 1 else a_sel.T
+    nf, n = mt.shape
+    assert values.shape == (nf, k) and local.shape == (nf, k)
+    assert local.dtype == torch.int64
+    loc = local.numpy()
+    assert (loc >= 0).all() and (loc < n).all()
+    if k > 1:
+        assert (np.diff(loc, axis=1) > 0).all(), "positions must be strictly ascending within a fiber"
+    mask_t = np.zeros(mt.shape, dtype=bool)
+    np.put_along_axis(mask_t, loc, True, axis=1)
+    key = keys(mt)
+    sel_min = np.where(mask_t, key, np.inf).min(axis=1)
+    unsel_max = np.where(mask_t, -np.inf, key).max(axis=1)
+    assert (sel_min >= unsel_max).all(), "a selected magnitude is below an unselected one"
+    np.testing.assert_array_equal(as_np(values), np.take_along_axis(mt, loc, axis=1))
+    return mask_t if axis == 1 else mask_t.T
+
+
+def run_adtopk(a0: torch.Tensor, rows, cols, axis, k, impl, with_grad=False, zero_sent=False, seed=1):
+    a = a0.clone()
+    grad = make(a0.shape, a0.dtype, seed=seed) if with_grad else None
+    expect = (a0 + grad) if with_grad else a0.clone()  # same-dtype add: same rounding as the fused one
+    values, local = K.adtopk_select(a, rows, cols, axis, k, grad=grad, zero_sent=zero_sent)
+    e = as_np(expect).reshape(rows, cols)
+    mask = check_fibers(e, axis, k, values, local)
+    after = np.where(mask, 0.0, e) if zero_sent else e
+    np.testing.assert_array_equal(as_np(a).reshape(rows, cols), after)
+    ref_mask = ref.adtopk_mask(e, ratio_for(k, rows if axis == 0 else cols), axis)
+    if impl == "native":
+        np.testing.assert_array_equal(mask, ref_mask)  # same (lower-index) tie rule as the reference
+    return mask, ref_mask, values, local
+
+
+# --- all-dimension top-k ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("shape,k", [((37, 3000), 7), ((3000, 37), 5), ((64, 64), 64), ((9, 5), 1), ((5, 9), 5),
+                                     ((300, 2048), 20), ((1, 1), 1)])
+def test_adtopk_matches_reference(impl, dtype, axis, shape, k):
+    rows, cols = shape
+    n = cols if axis == 1 else rows
+    k = min(k, n)
+    a0 = make(shape, dtype, seed=rows * 7 + cols)
+    mask, ref_mask, _, _ = run_adtopk(a0, rows, cols, axis, k, impl, with_grad=True, zero_sent=True)
+    e = as_np(a0.clone().add_(make(shape, dtype, seed=1))).reshape(rows, cols)
+    if len(np.unique(keys(e))) == e.size:  # no ties: the set is unique
+        np.testing.assert_array_equal(mask, ref_mask)
+
+
+@pytest.mark.parametrize("kind", ["ints", "equal"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adtopk_ties(impl, kind, axis, dtype):
+    for rows, cols, k in [(40, 4000, 13), (4000, 40, 13), (8, 100, 50), (33, 33, 33)]:
+        a0 = make((rows, cols), dtype, kind=kind, seed=rows)
+        run_adtopk(a0, rows, cols, axis, min(k, cols if axis == 1 else rows), impl, zero_sent=True)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adtopk_non_finite_always_selected(impl, axis, dtype):
+    rows, cols = (50, 2000) if axis == 1 else (2000, 50)
+    a0 = make((rows, cols), dtype, seed=3, special=0.002)
+    k = 20
+    mask, _, _, _ = run_adtopk(a0, rows, cols, axis, k, impl)
+    e = as_np(a0).reshape(rows, cols)
+    nonfinite = ~np.isfinite(e)
+    mt, nt = (mask, nonfinite) if axis == 1 else (mask.T, nonfinite.T)
+    for f in range(mt.shape[0]):
+        if nt[f].sum() <= k:
+            assert mt[f][nt[f]].all(), "a NaN/Inf entry was not selected"
+        else:
+            assert not mt[f][~nt[f]].any(), "a finite entry was selected before a non-finite one"
+
+
+def test_adtopk_nan_before_finite(impl):
+    a = torch.tensor([[1.0, float("nan"), 3.0, -float("inf"), 2.0, 0.5]])
+    values, local = K.adtopk_select(a, 1, 6, 1, 2)
+    assert local.tolist() == [[1, 3]]
+    values, local = K.adtopk_select(a.clone(), 1, 6, 1, 3)
+    assert local.tolist() == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_adtopk_k_equals_fiber_len_and_k1(impl, axis):
+    a0 = make((70, 90), torch.float32, seed=5)
+    n = 90 if axis == 1 else 70
+    for k in (1, n):
+        _, local = K.adtopk_select(a0.clone(), 70, 90, axis, k)
+        if k == n:
+            assert torch.equal(local, torch.arange(n).expand(local.shape[0], n))
+        run_adtopk(a0, 70, 90, axis, k, impl, with_grad=True, zero_sent=True)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_adtopk_deterministic(impl, axis):
+    a0 = make((257, 1031), torch.float32, kind="ints", seed=9)
+    out1 = K.adtopk_select(a0.clone(), 257, 1031, axis, 11)
+    out2 = K.adtopk_select(a0.clone(), 257, 1031, axis, 11)
+    assert torch.equal(out1[0], out2[0]) and torch.equal(out1[1], out2[1])
+
+
+def test_adtopk_fused_grad_without_zeroing(impl):
+    a0 = make((30, 500), torch.float16, seed=2)
+    run_adtopk(a0, 30, 500, 1, 5, impl, with_grad=True, zero_sent=False)
+    run_adtopk(a0, 30, 500, 0, 3, impl, with_grad=True, zero_sent=False)
+
+
+# --- global top-k -----------------------------------------------------------------------------------------------
+
+
+def check_flat(e: np.ndarray, k: int, values: torch.Tensor, flat: torch.Tensor) -> np.ndarray:
+    assert values.shape == (k,) and flat.shape == (k,) and flat.dtype == torch.int64
+    idx = flat.numpy()
+    assert (np.diff(idx) > 0).all(), "flat indices must be strictly ascending"
+    mask = np.zeros(e.size, dtype=bool)
+    mask[idx] = True
+    key = keys(e.reshape(-1))
+    assert key[mask].min() >= (key[~mask].max() if (~mask).any() else -np.inf)
+    np.testing.assert_array_equal(as_np(values), e.reshape(-1)[idx])
+    return mask.reshape(e.shape)
+
+
+def run_topk(a0, k, impl, with_grad=False, zero_sent=False):
+    a = a0.clone()
+    grad = make(a0.shape, a0.dtype, seed=11) if with_grad else None
+    expect = (a0 + grad) if with_grad else a0.clone()
+    values, flat = K.topk_select(a, k, grad=grad, zero_sent=zero_sent)
+    e = as_np(expect)
+    mask = check_flat(e, k, values, flat)
+    np.testing.assert_array_equal(as_np(a), np.where(mask, 0.0, e) if zero_sent else e)
+    if impl == "native":
+        np.testing.assert_array_equal(mask, ref.topk_mask(keys(e), ratio_for(k, e.size)))
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k", [((1000, 300), 300), ((1000, 300), 1), ((7, 9), 63), ((50, 50), 2000),
+                                     ((100001,), 17)])
+def test_topk_matches_reference(impl, dtype, shape, k):
+    a0 = make(shape, dtype, seed=k)
+    mask = run_topk(a0, k, impl, with_grad=True, zero_sent=True)
+    e = as_np(a0 + make(shape, dtype, seed=11))
+    if len(np.unique(keys(e))) == e.size:
+        np.testing.assert_array_equal(mask, ref.topk_mask(e, ratio_for(k, e.size)))
+
+
+@pytest.mark.parametrize("kind", ["ints", "equal"])
+def test_topk_ties(impl, kind):
+    run_topk(make((300, 1000), torch.float32, kind=kind, seed=4), 1000, impl, zero_sent=True)
+
+
+def test_topk_adversarial_layouts(impl):
+    """Large entries packed where a strided sample cannot see them, or sorted data: still exact."""
+    n = 1 << 18
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
+    x[1000:1500] = torch.linspace(5, 6, 500)  # 500 large ones in one place
+    run_topk(x, 600, impl)
+    run_topk(torch.linspace(-1, 1, n, dtype=torch.float64), 3000, impl)
+    run_topk(make((n,), torch.float32, seed=2, special=0.001), 100, impl)
+
+
+# --- thresholds ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threshold_select_and_count(impl, dtype):
+    a = make((333, 517), dtype, seed=8, special=0.001)
+    e = as_np(a)
+    for t in (0.0, 0.1, 1.7, 2.5, 1e6, -1.0, float("inf"), float("nan")):
+        expect = ref.threshold_mask(e, t)  # float64 data: exact comparison
+        values, flat = K.threshold_select(a, t)
+        assert flat.dtype == torch.int64 and (np.diff(flat.numpy()) > 0).all()
+        np.testing.assert_array_equal(flat.numpy(), np.flatnonzero(expect))
+        np.testing.assert_array_equal(as_np(values), e.reshape(-1)[flat.numpy()])
+        assert K.count_at_least(a, t) == int(expect.sum())
+
+
+def test_threshold_exact_between_representable_values(impl):
+    """t between two fp16 values: |x| >= t is decided exactly, not after rounding t to fp16."""
+    a = torch.tensor([0.0999755859375, 0.10003662109375, -0.1], dtype=torch.float16)
+    _, flat = K.threshold_select(a, 0.1)
+    assert flat.tolist() == [1]
+    assert K.count_at_least(a, 0.1) == 1
+    assert K.count_at_least(a, float(a[0])) == 3
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fiber_threshold_select(impl, axis, dtype):
+    rows, cols = 123, 77
+    a = make((rows, cols), dtype, seed=12, special=0.002)
+    e = as_np(a)
+    nf = rows if axis == 1 else cols
+    thr = torch.linspace(0.0, 3.0, nf, dtype=torch.float64)
+    thr[0] = float("nan")
+    t = thr.numpy().reshape(-1, 1) if axis == 1 else thr.numpy().reshape(1, -1)
+    expect = (np.abs(e) >= t) | ~np.isfinite(e)
+    values, flat = K.fiber_threshold_select(a, rows, cols, axis, thr)
+    np.testing.assert_array_equal(flat.numpy(), np.flatnonzero(expect))
+    np.testing.assert_array_equal(as_np(values), e.reshape(-1)[flat.numpy()])
+
+
+# --- native vs fallback -------------------------------------------------------------------------------------------
+
+
+def test_native_and_fallback_select_the_same(monkeypatch):
+    if not K.native_available():
+        pytest.skip(NATIVE_SKIP)
+    a0 = make((700, 1500), torch.float64, seed=21)  # continuous data: no ties, unique answers
+    thr = torch.rand(700, dtype=torch.float64) * 2
+    out = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", env)
+        out[env] = [K.adtopk_select(a0.clone(), 700, 1500, 1, 15), K.adtopk_select(a0.clone(), 700, 1500, 0, 7),
+                    K.topk_select(a0.clone(), 1000), K.threshold_select(a0, 2.0),
+                    K.fiber_threshold_select(a0, 700, 1500, 1, thr), K.count_at_least(a0, 1.5)]
+    for nat, fb in zip(out["1"], out["0"]):
+        if isinstance(nat, int):
+            assert nat == fb
+        else:
+            assert torch.equal(nat[0], fb[0]) and torch.equal(nat[1], fb[1])
+
+
+# --- argument checks -----------------------------------------------------------------------------------------------
+
+
+def test_non_contiguous_rejected():
+    a = torch.randn(40, 30).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        K.adtopk_select(a, 30, 40, 1, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.topk_select(a, 3)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.threshold_select(a, 0.5)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.count_at_least(a, 0.5)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.fiber_threshold_select(a, 30, 40, 1, torch.zeros(30, dtype=torch.float64))
+    with pytest.raises(ValueError, match="grad must be contiguous"):
+        K.adtopk_select(torch.randn(30, 40), 30, 40, 1, 3, grad=a)
+
+
+def test_bad_arguments_rejected():
+    a = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="rows \\* cols"):
+        K.adtopk_select(a, 5, 5, 1, 1)
+    with pytest.raises(ValueError, match="axis"):
+        K.adtopk_select(a, 4, 5, 2, 1)
+    with pytest.raises(ValueError, match="k must be"):
+        K.adtopk_select(a, 4, 5, 1, 6)
+    with pytest.raises(ValueError, match="k must be"):
+        K.topk_select(a, 0)
+    with pytest.raises(ValueError, match="float16"):
+        K.topk_select(torch.ones(4, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="grad must match"):
+        K.adtopk_select(a, 4, 5, 1, 1, grad=torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one entry per fiber"):
+        K.fiber_threshold_select(a, 4, 5, 0, torch.zeros(4, dtype=torch.float64))
+
+
+# --- fuzz -------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    axis = draw(st.sampled_from([0, 1]))
+    long = draw(st.integers(1, 6000))
+    short = draw(st.integers(1, 40))
+    rows, cols = (short, long) if draw(st.booleans()) else (long, short)
+    n = cols if axis == 1 else rows
+    k = draw(st.one_of(st.integers(1, max(1, n // 100)), st.integers(1, n)))
+    kind = draw(st.sampled_from(["normal", "normal", "ints", "equal"]))
+    special = draw(st.sampled_from([0.0, 0.0, 0.001, 0.05]))
+    seed = draw(st.integers(0, 2**16))
+    return dtype, axis, rows, cols, k, kind, special, seed, draw(st.booleans()), draw(st.booleans())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_fuzz_adtopk_and_topk(impl, case):
+    dtype, axis, rows, cols, k, kind, special, seed, with_grad, zero_sent = case
+    a0 = make((rows, cols), dtype, kind=kind, seed=seed, special=special)
+    run_adtopk(a0, rows, cols, axis, k, impl, with_grad=with_grad, zero_sent=zero_sent, seed=seed + 1)
+    kg = max(1, min(rows * cols, int(math.ceil(k * (rows * cols) / (cols if axis == 1 else rows)))))
+    run_topk(a0, kg, impl, with_grad=with_grad, zero_sent=zero_sent)
