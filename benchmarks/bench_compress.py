@@ -57,7 +57,9 @@ torch version), the settings and every number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import statistics
 import sys
 import time
@@ -71,8 +73,18 @@ from horovod_adtopk import wire
 from horovod_adtopk.compressors import Compression, Selection, SharedCodec, TensorInfo
 from horovod_adtopk.exchange import aggregate_blocks
 
-ALL_COMPRESSORS = ("adtopk", "adtopk_i", "adtopk_t", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco")
-EXTRA_COMPRESSORS = ("threshold",)  # fixed threshold, set to the exact k-th magnitude of each tensor
+ALL_COMPRESSORS = ("adtopk+ef", "adtopk", "adtopk@torch", "adtopk_i", "adtopk_t", "topk+ef", "topk", "randomk", "dgc",
+                   "gaussiank", "redsync", "sidco")
+# threshold: fixed threshold, set to the exact k-th magnitude of each tensor
+EXTRA_COMPRESSORS = ("threshold", "topk@torch", "adtopk_t+ef")
+# Variants of a package compressor: "NAME+ef" times what the optimizer runs with error feedback (the
+# residual r and the gradient g go to the kernel, which adds, selects and zeroes what it sends in its own
+# passes: compress reads g and r and writes r); "NAME@torch" forces the pure-PyTorch kernels
+# (HOROVOD_ADTOPK_NATIVE=0) to show what the native kernel buys.
+
+
+def base_name(name: str) -> str:
+    return name.split("+")[0].split("@")[0]
 ALL_MODELS = ("resnet50", "vgg16", "bert-base")
 QUICK_MAX_NUMEL = 1 << 22
 WORLD = 2
@@ -91,6 +103,7 @@ class Phase:
 
 
 def phases(name: str, tau: int) -> List[Phase]:
+    name = base_name(name)
     if name == "adtopk_i":
         return [Phase("adtopk", 0, 0.5), Phase("topk", 1, 0.5)]
     if name == "adtopk_t":
@@ -101,6 +114,7 @@ def phases(name: str, tau: int) -> List[Phase]:
 def make_compressor(name: str, ratio: float, vdt: torch.dtype, phase: str = "step", seed: int = 0,
                     threshold: float = 0.0):
     """``Compression.get`` with the benchmark's settings; ADTopk-T's tau pinned for the phase timed."""
+    name = base_name(name)
     kwargs: Dict[str, Any] = {"ratio": ratio, "value_dtype": vdt}
     if name in ("randomk", "dgc"):
         kwargs["seed"] = seed
@@ -145,10 +159,29 @@ class Timer:
         return statistics.median(runs), runs, out
 
 
-def compress(comp, a: torch.Tensor, info: TensorInfo, step: int, vdt: torch.dtype) -> Tuple[Selection, torch.Tensor]:
-    """select + cast + pack, as ``DistributedOptimizer`` does it (no error feedback)."""
-    s = comp.select(a, info, step)
+def compress(comp, a: torch.Tensor, info: TensorInfo, step: int, vdt: torch.dtype,
+             residual: Optional[torch.Tensor] = None) -> Tuple[Selection, torch.Tensor]:
+    """select + cast + pack, as ``DistributedOptimizer`` does it; with ``residual``, error feedback fused
+    as the optimizer runs it (``residual += a``, select, zero the sent entries of ``residual``)."""
+    if residual is None:
+        s = comp.select(a, info, step)
+    else:
+        s = comp.select(residual, info, step, grad=a, zero_sent=True)
     return s, wire.pack(s.values.to(vdt), s.wire_index, vdt, s.codec.index_dtype)
+
+
+class torch_kernels:
+    """Context: the package's pure-PyTorch kernels instead of the native ones."""
+
+    def __enter__(self):
+        self.old = os.environ.get("HOROVOD_ADTOPK_NATIVE")
+        os.environ["HOROVOD_ADTOPK_NATIVE"] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("HOROVOD_ADTOPK_NATIVE", None)
+        else:
+            os.environ["HOROVOD_ADTOPK_NATIVE"] = self.old
 
 
 def aggregate(s: Selection, gathered: torch.Tensor, counts: Sequence[int], numel: int, dtype: torch.dtype,
@@ -365,9 +398,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     for ph in phases(c, args.tau):
                         comp = make_compressor(c, r, vdt, ph.label, args.seed,
                                                kth_magnitude(a, r) if c == "threshold" else 0.0)
-                        if c == "adtopk_t":
+                        if base_name(c) == "adtopk_t":
                             comp.select(a, info, 0)  # untimed first (exact) step: sets the fiber thresholds
-                        c_s, c_runs, (p, payload) = timer.run(lambda: compress(comp, a, info, ph.step, vdt))
+                        residual = torch.zeros_like(a) if c.endswith("+ef") else None
+                        with (torch_kernels() if c.endswith("@torch") else contextlib.nullcontext()):
+                            c_s, c_runs, (p, payload) = timer.run(
+                                lambda: compress(comp, a, info, ph.step, vdt, residual))
                         gathered = torch.cat([payload] * WORLD) if p.wire_index is not None else payload
                         counts = [p.values.numel()] * WORLD
                         g_s, g_runs, dense = timer.run(lambda: aggregate(p, gathered, counts, numel, a.dtype, vdt))
@@ -390,7 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{len(needed)} distinct sparse shapes measured"
               + (f"; {len(skipped)} tensors over --max-numel skipped ({sum(numels[n] for n in skipped):,} params)"
                  if skipped else ""))
-        hdr = (f"{'ratio':>6} {'compressor':<10} {'sparse':>6} {'dense':>5} {'payloadMB':>9} {'compress':>10} "
+        hdr = (f"{'ratio':>6} {'compressor':<12} {'sparse':>6} {'dense':>5} {'payloadMB':>9} {'compress':>10} "
                f"{'aggregate':>10} {'floor':>9} {'glob_topk':>10} {'comp/floor':>10} {'topk/comp':>9} {'agg/floor':>9}")
         print(hdr + "\n" + "-" * len(hdr) + "   (times: ms, sums over the compressor's sparse tensors)")
         for r in args.ratios:
@@ -424,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "global_topk_over_method": tot["global_topk_s"] / tot["compress_s"] if tot["compress_s"] else None,
                             "aggregate_over_floor": tot["aggregate_s"] / tot["floor_s"] if tot["floor_s"] else None})
                 mrep["results"].setdefault(str(r), {})[c] = {"totals": tot, "tensors": rows, "dense": dense}
-                print(f"{r:>6g} {c:<10} {len(rows):>6} {len(dense):>5} {tot['payload_bytes'] / 1e6:>9.3f} "
+                print(f"{r:>6g} {c:<12} {len(rows):>6} {len(dense):>5} {tot['payload_bytes'] / 1e6:>9.3f} "
                       f"{common.ms(tot['compress_s']):>10} {common.ms(tot['aggregate_s']):>10} "
                       f"{common.ms(tot['floor_s']):>9} {common.ms(tot['global_topk_s']):>10} "
                       f"{common.ratio(tot['compress_s'], tot['floor_s']):>10} "

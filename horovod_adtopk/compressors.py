@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - exercised where Horovod is absent
 
     NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
+from . import kernels
 from . import selection as sel
 from .memory import check_momentum
 from .wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
@@ -306,6 +307,11 @@ class SparseCompressor(Compressor):
         pass
 
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The kernels read tensors in their logical (row-major) order: copy e.g. a channels_last gradient."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _flat_selection(values: torch.Tensor, flat: torch.Tensor, numel: int, count: Optional[int]) -> Selection:
     return Selection(values, flat, flat, FlatCodec(numel, count))
 
@@ -336,16 +342,6 @@ class ADTopkCompressor(SparseCompressor):
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
         self._codecs: Dict[Tuple[str, int], FiberCodec] = {}
-        # One |a| buffer per (device, dtype), as large as the largest tensor selected so far, reused by
-        # every parameter (hooks run one at a time).
-        self._scratch: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def scratch_for(self, a: torch.Tensor) -> torch.Tensor:
-        key = (a.device, a.dtype)
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < a.numel():
-            buf = self._scratch[key] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)
-        return buf
 
     def extra_config(self) -> dict:
         return {"axis": self.axis}
@@ -368,13 +364,10 @@ class ADTopkCompressor(SparseCompressor):
         return index_dtype_for(self.layout(info).fiber_len - 1)
 
     def _fiber_topk(self, a, codec, grad=None, zero_sent=False) -> Selection:
-        if grad is not None:
-            a.add_(grad)
-        values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
-        flat = codec.to_flat(local)
-        if zero_sent:
-            a.view(-1)[flat] = 0
-        return Selection(values.reshape(-1), flat, local.reshape(-1), codec)
+        lay = codec.layout
+        values, local = kernels.adtopk_select(_contiguous(a), lay.rows, lay.cols, lay.axis, lay.k,
+                                              None if grad is None else _contiguous(grad), zero_sent)
+        return Selection(values.reshape(-1), codec.to_flat(local), local.reshape(-1), codec)
 
     def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
         return self._fiber_topk(a, self.codec(info, step), grad, zero_sent)
@@ -390,10 +383,13 @@ class TopkCompressor(SparseCompressor):
     name = "topk"
     summary = "exact global top-k, `k = max(1, floor(ratio * numel))`; fixed size, flat indices"
 
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
         k = sel.keep_count(self.ratio_at(step), info.numel)
-        values, flat = sel.global_topk(a, k)
+        values, flat = kernels.topk_select(_contiguous(a), k, None if grad is None else _contiguous(grad), zero_sent)
         return _flat_selection(values, flat, info.numel, k)
+
+    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
+        return self._select_fused(a, info, step, None, False)
 
 
 def stable_seed(*parts) -> int:
@@ -448,7 +444,7 @@ class _ThresholdCompressor(SparseCompressor):
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         mag = a.reshape(-1).abs()
         t = self.threshold(a, mag, info, step)
-        values, flat = sel.threshold_select(a, t)
+        values, flat = kernels.threshold_select(_contiguous(a), t)
         return _flat_selection(values, flat, info.numel, None)
 
 
@@ -483,7 +479,7 @@ class DGCCompressor(_ThresholdCompressor):
         gen.manual_seed(stable_seed("dgc", self.seed, info.name, step))
         t = sel.dgc_threshold(mag, ratio, gen, self.sample_fraction)
         t = sel.refine_threshold(mag, t, k, max_iters=3)
-        values, flat = sel.threshold_select(a, t)
+        values, flat = kernels.threshold_select(_contiguous(a), t)
         if flat.numel() > 1.25 * k:
             finite = torch.isfinite(values)
             keep = torch.topk(torch.where(finite, values.abs(), torch.full_like(values, float("inf"))), k,
@@ -592,14 +588,12 @@ class ADTopkICompressor(ADTopkCompressor):
     def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
         if self.uses_adtopk(step):
             return super()._select_fused(a, info, step, grad, zero_sent)
-        return SparseCompressor._select_fused(self, a, info, step, grad, zero_sent)
+        return TopkCompressor._select_fused(self, a, info, step, grad, zero_sent)
 
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         if self.uses_adtopk(step):
             return super()._select(a, info, step)
-        k = sel.keep_count(self.ratio_at(step), info.numel)
-        values, flat = sel.global_topk(a, k)
-        return _flat_selection(values, flat, info.numel, k)
+        return TopkCompressor._select_fused(self, a, info, step, None, False)
 
 
 @register
@@ -650,9 +644,12 @@ class ADTopkTCompressor(ADTopkCompressor):
             st["theta"].numel() != codec.layout.num_fibers
         if not exact:
             st["since"] += 1
-            values, flat = sel.fiber_threshold_select(a, codec.layout, st["theta"].to(a.device))
+            lay = codec.layout
+            values, flat = kernels.fiber_threshold_select(_contiguous(a), lay.rows, lay.cols, lay.axis,
+                                                          st["theta"].to(a.device))
             return _flat_selection(values, flat, info.numel, None)
-        values, local = sel.all_dimension_topk(a, codec.layout, self.scratch_for(a))
+        s = self._fiber_topk(a, codec)
+        values = s.values.view(codec.layout.num_fibers, -1)
         theta = values.abs().amin(dim=1).detach().to(torch.float64)
         theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
         if st is None or st["theta"].numel() != theta.numel():
@@ -662,8 +659,7 @@ class ADTopkTCompressor(ADTopkCompressor):
             delta = float(((theta - old).abs() / old.clamp_min(1e-30)).median())
             st["tau"] = min(st["tau"] + 1, self.tau_max) if delta < self.tolerance else max(st["tau"] - 1, self.tau_min)
             st["theta"], st["since"] = theta, 0
-        flat = codec.to_flat(local)
-        return _flat_selection(values.reshape(-1), flat, info.numel, None)
+        return _flat_selection(s.values, s.flat, info.numel, None)
 
     def state_dict(self) -> dict:
         return {name: {"tau": s["tau"], "since": s["since"], "theta": s["theta"].cpu().clone()}

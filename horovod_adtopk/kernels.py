@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = ["adtopk_select", "topk_select", "threshold_select", "fiber_threshold_select", "count_at_least",
-           "backend", "native_available"]
+           "backend", "describe", "native_available"]
 
 try:  # built by setup.py when a compiler and torch were available at install time
     from . import _C as _native
@@ -65,6 +65,14 @@ def backend(a: torch.Tensor) -> str:
     return "torch"
 
 
+def describe() -> dict:
+    """Which implementation runs per device type (reported in ``opt.stats()["kernels"]``)."""
+    out = {"cpu": backend(torch.empty(0))}
+    if torch.cuda.is_available():
+        out["cuda"] = "triton" if _triton() is not None else "torch"
+    return out
+
+
 # --- argument checks --------------------------------------------------------------------------------------
 
 
@@ -98,9 +106,18 @@ def _check_matrix(a: torch.Tensor, rows: int, cols: int, axis: int) -> Tuple[int
 
 
 def _check_k(k: int, n: int, what: str) -> int:
-    if isinstance(k, bool) or int(k) != k or not 1 <= int(k) <= n:
+    """``1 <= k <= n``, or ``k == 0`` for an empty ``n == 0`` (nothing to select)."""
+    if isinstance(k, bool) or int(k) != k or not (1 <= int(k) <= n or int(k) == n == 0):
         raise ValueError(f"k must be an integer with 1 <= k <= {what} ({n}), got {k!r}")
     return int(k)
+
+
+def _nothing(a: torch.Tensor, grad: Optional[torch.Tensor], fibers: int = 0):
+    """The selection from an empty fiber (``k == 0``): no values, no positions (after the add)."""
+    if grad is not None:
+        a.add_(grad)
+    return (torch.empty(fibers, 0, dtype=a.dtype, device=a.device),
+            torch.empty(fibers, 0, dtype=torch.int64, device=a.device))
 
 
 # --- pure-PyTorch fallback ---------------------------------------------------------------------------------
@@ -200,8 +217,10 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
     """
     _check_tensor(a)
     _check_grad(a, grad)
-    _, n = _check_matrix(a, rows, cols, axis)
+    fibers, n = _check_matrix(a, rows, cols, axis)
     k = _check_k(k, n, "fiber length")
+    if k == 0:
+        return _nothing(a, grad, fibers)
     rows, cols, axis = int(rows), int(cols), int(axis)
     impl = backend(a)
     if impl == "native-cpu":
@@ -221,6 +240,9 @@ def topk_select(a: torch.Tensor, k: int, grad: Optional[torch.Tensor] = None,
     _check_tensor(a)
     _check_grad(a, grad)
     k = _check_k(k, a.numel(), "a.numel()")
+    if k == 0:
+        values, flat = _nothing(a, grad)
+        return values.view(-1), flat.view(-1)
     impl = backend(a)
     if impl == "native-cpu":
         values, flat = _native.topk_select(a, k, grad, bool(zero_sent))

@@ -1,4 +1,4 @@
-"""Selection rules: which gradient entries a rank sends.
+"""Selection rules: which gradient entries a rank sends (layouts, counts, threshold estimators).
 
 Pure tensor functions, no Horovod. Every rule takes the error-compensated gradient ``a`` (any shape,
 any floating dtype, any device) and returns the signed values it keeps and where they sit. Nothing here
@@ -26,9 +26,11 @@ Global top-k keeps ``k = max(1, floor(ratio * numel))`` entries of the flattened
 keep ``|a| >= t`` with ``t`` estimated per call (DGC, Gaussian-k, RedSync, SIDCo) or given (threshold);
 they send a variable number of entries.
 
-Non-finite values: ``topk`` ranks NaN and +-Inf above every finite magnitude, so a non-finite entry is
-always among those sent; threshold rules send them explicitly (see :func:`threshold_select`). The
-aggregated gradient then carries the NaN/Inf to the user's code, as a dense allreduce would.
+The selections themselves (per-fiber and global top-k, threshold passes) live in
+:mod:`horovod_adtopk.kernels`: a native CPU kernel, a Triton kernel for CUDA and an exact pure-PyTorch
+fallback behind one API. Non-finite values rank above every finite magnitude there, so a non-finite entry
+is always among those sent; the aggregated gradient then carries the NaN/Inf to the user's code, as a
+dense allreduce would.
 """
 from __future__ import annotations
 
@@ -125,66 +127,6 @@ def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto") -> F
 
 
 
-#: Pruned selection splits every fiber into this many interleaved groups (see :func:`pruned_topk`).
-PRUNE_GROUPS = 8
-
-
-def pruned_topk(mag: torch.Tensor, k: int, groups: int = PRUNE_GROUPS) -> torch.Tensor:
-    """Exact per-row top-k positions of a non-negative matrix ``mag`` (NaN counts as largest), faster
-    than ``torch.topk`` on long rows.
-
-    Each row of length ``n`` is cut into ``g = n // groups`` interleaved groups (group ``j`` holds columns
-    ``j, j + g, j + 2g, ...``; a tail of ``n % groups`` columns is always a candidate). Every one of the
-    row's top-k entries lies in a group whose maximum is at least the k-th largest value, and at most
-    ``k`` groups can have such a maximum, so the ``k`` groups with the largest maxima contain the whole
-    top-k. One vectorised max-reduction, a top-k over ``g`` group maxima and a top-k over ``k * groups``
-    candidates replace the top-k over ``n`` entries. Ties may be broken differently from ``torch.topk``.
-    """
-    rows, n = mag.shape
-    g = n // groups
-    body = mag[:, : g * groups].view(rows, groups, g)
-    group_max = body.amax(dim=1)
-    _, gid = torch.topk(group_max, k, dim=1, sorted=False)
-    offsets = g * torch.arange(groups, device=mag.device).view(1, groups, 1)
-    cols = (gid.unsqueeze(1) + offsets).reshape(rows, groups * k)
-    if g * groups < n:
-        tail = torch.arange(g * groups, n, device=mag.device).expand(rows, -1)
-        cols = torch.cat([cols, tail], dim=1)
-    _, pick = torch.topk(torch.gather(mag, 1, cols), k, dim=1, sorted=False)
-    return torch.gather(cols, 1, pick)
-
-
-def use_pruning(fiber_len: int, k: int) -> bool:
-    """Pruning pays off when the candidates (``k * PRUNE_GROUPS``) are a small part of a long fiber."""
-    return fiber_len >= 512 and fiber_len >= 32 * k
-
-
-def all_dimension_topk(a: torch.Tensor, layout: FiberLayout,
-                       scratch: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-fiber top-k of ``|a|``.
-
-    Returns ``(values, local)``, both shaped ``[num_fibers, k]`` in fiber-major order: ``values`` are the
-    signed entries of ``a`` and ``local`` their positions inside the fiber (0 .. fiber_len-1, int64).
-    ``scratch``, if given, is a reusable buffer of at least ``a.numel()`` elements of ``a``'s dtype and
-    device for ``|a|`` (saves allocating, and page-faulting, a gradient-sized temporary every step).
-    """
-    m = a.reshape(layout.rows, layout.cols)
-    if layout.axis == 0:
-        # Columns are fibers: a contiguous transpose makes each fiber a contiguous row, which is
-        # what the CPU and CUDA topk kernels are fastest on.
-        m = m.t().contiguous()
-    if scratch is not None and scratch.numel() >= m.numel() and scratch.dtype == m.dtype and scratch.device == m.device:
-        mag = torch.abs(m, out=scratch[: m.numel()].view(m.shape))
-    else:
-        mag = m.abs()
-    if use_pruning(layout.fiber_len, layout.k):
-        local = pruned_topk(mag, layout.k)
-    else:
-        _, local = torch.topk(mag, layout.k, dim=1, largest=True, sorted=False)
-    values = torch.gather(m, 1, local)
-    return values, local
-
-
 def fiber_bases(layout: FiberLayout, device: torch.device) -> torch.Tensor:
     """Flat offset of the first element of every fiber, repeated ``k`` times: ``[num_fibers * k]`` int64.
 
@@ -204,37 +146,6 @@ def local_to_flat(local: torch.Tensor, layout: FiberLayout, bases: Optional[torc
         bases = fiber_bases(layout, local.device)
     blocks = local.reshape(-1, layout.count).to(torch.int64)
     return (bases + blocks * layout.stride).reshape(-1)
-
-
-def global_topk(a: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k of ``|a|`` over the flattened tensor: ``(values, flat_indices)``, 1-D, signed values."""
-    flat = a.reshape(-1)
-    _, idx = torch.topk(flat.abs(), k, sorted=False)
-    return flat[idx], idx
-
-
-def threshold_select(a: torch.Tensor, threshold: Union[float, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Entries with ``|a| >= threshold`` (plus every non-finite entry): ``(values, flat_indices)``.
-
-    The count varies; it may be zero.
-    """
-    flat = a.reshape(-1)
-    mask = torch.logical_not(flat.abs() < threshold)  # NaN compares False, so NaN (and +-Inf) are kept
-    idx = mask.nonzero().reshape(-1)
-    return flat[idx], idx
-
-
-def fiber_threshold_select(a: torch.Tensor, layout: FiberLayout, thresholds: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Entries whose ``|a|`` reaches their own fiber's threshold (``thresholds``: ``[num_fibers]``).
-
-    Returns ``(values, flat_indices)`` of variable length (ADTopk-T between exact steps).
-    """
-    m = a.reshape(layout.rows, layout.cols)
-    thr = thresholds.to(m.dtype)
-    thr = thr.reshape(-1, 1) if layout.axis == 1 else thr.reshape(1, -1)
-    mask = torch.logical_not(m.abs() < thr)  # NaN compares False, so NaN (and +-Inf) are kept
-    idx = mask.reshape(-1).nonzero().reshape(-1)
-    return a.reshape(-1)[idx], idx
 
 
 def random_positions(numel: int, k: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
