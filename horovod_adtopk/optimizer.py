@@ -81,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = set()
+        self._densified = set()  # parameters whose sparse gradient travels dense this round (sparse_as_dense)
         if self._communicating:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -158,6 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"parameter {name!r} has a sparse gradient (e.g. nn.Embedding(sparse=True)); pass "
                                 "sparse_as_dense=True to hat.DistributedOptimizer to send it as a dense gradient")
             p.grad = p.grad.to_dense()
+            self._densified.add(p)
         if not p.grad.is_floating_point():
             raise TypeError(f"gradient of {name!r} has dtype {p.grad.dtype}; a floating dtype is needed")
         return p.grad
@@ -231,6 +233,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             exchange.advance()
         for exchange in exchanges:
             exchange.finish()
+        for p in self._densified:  # as Horovod: a sparse gradient comes back sparse (e.g. for SparseAdam)
+            p.grad = p.grad.to_sparse()
+        self._densified.clear()
         self._end_round()
 
     def _order(self, key) -> str:
