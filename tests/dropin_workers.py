@@ -16,7 +16,6 @@ import torch
 import horovod.torch as hvd
 
 import horovod_adtopk as hat
-from horovod_adtopk.compressors import TensorInfo
 
 
 def case_where(arrays):
@@ -199,6 +198,7 @@ def case_channels_last(arrays, comp):
 # --- 3: Random-k non-finite, bf16 --------------------------------------------------------------------------
 
 def case_randomk_nan(arrays):
+    from horovod_adtopk.compressors import TensorInfo
     rank = hvd.rank()
     w = torch.nn.Parameter(torch.zeros(16, 64))
     comp = hat.Compression.randomk(ratio=0.05, min_numel=1)

@@ -247,7 +247,7 @@ def test_join_while_another_rank_still_steps(controller):
                 np.testing.assert_allclose(d[0][f"out/{t}/{n}"], g / 2, rtol=1e-12, atol=1e-12)
         if label != "none":
             assert any("hvd.join()" in w for w in r0["warnings"])
-            assert f"res/3/weight" not in d[0]
+            assert "res/3/weight" not in d[0]
 
 
 # --- item 6: Horovod's signature --------------------------------------------------------------------------------
