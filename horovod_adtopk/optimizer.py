@@ -70,6 +70,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._config_checked = False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
+        self._joined: Optional[bool] = None  # a member called hvd.join() (asked once per round; None: not yet)
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
                        for p, name in self._parameter_names.items() if p.requires_grad and _floating(p, name)}
         self._sparse_path: Dict[str, bool] = {}
@@ -80,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = set()
+        self._densified = set()  # parameters whose sparse gradient travels dense this round (sparse_as_dense)
         if self._communicating:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -157,6 +159,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"parameter {name!r} has a sparse gradient (e.g. nn.Embedding(sparse=True)); pass "
                                 "sparse_as_dense=True to hat.DistributedOptimizer to send it as a dense gradient")
             p.grad = p.grad.to_dense()
+            self._densified.add(p)
         if not p.grad.is_floating_point():
             raise TypeError(f"gradient of {name!r} has dtype {p.grad.dtype}; a floating dtype is needed")
         return p.grad
@@ -165,12 +168,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._check_config()
         name = self._parameter_names[p]
         grad = self._take_grad(p)
-        if self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps:
+        if self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps \
+                and not self._peer_joined():
             return self._sender.send(p, grad, self._infos[name], self._round)
         exchange = DenseExchange(self._comm, p, self._dense_grad(name, p, grad), self._dense_compression, name,
                                  self.op, self._scales())
         self._stats.record(name, p.numel(), p.numel(), exchange.bytes)
         return exchange
+
+    def _peer_joined(self) -> bool:
+        """Whether a member has called ``hvd.join()``: asked by a tiny allreduce before the round's first
+        sparse exchange. Horovod cannot allgather while a rank is joined (the joined rank's background loop
+        crashes, and under MPI the others hang), but joined ranks take part in allreduces with zeros, so
+        such a round goes dense, as ``hvd.DistributedOptimizer`` would (the memory is sent along)."""
+        if self._joined is None:
+            self._joined = self._comm.active_members() < self._comm.size()
+            if self._joined:
+                warnings.warn("horovod_adtopk: a rank has called hvd.join(); gradients travel dense (allreduce) "
+                              "while ranks are joined, since Horovod cannot allgather with joined ranks.")
+        return self._joined
 
     def _dense_grad(self, name: str, p, grad: Optional[torch.Tensor]) -> torch.Tensor:
         """The gradient for the dense path. A tensor of the sparse path travelling dense (warm-up, partial
@@ -219,6 +235,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             exchange.advance()
         for exchange in exchanges:
             exchange.finish()
+        for p in self._densified:  # as Horovod: a sparse gradient comes back sparse (e.g. for SparseAdam)
+            p.grad = p.grad.to_sparse()
+        self._densified.clear()
         self._end_round()
 
     def _order(self, key) -> str:
@@ -230,6 +249,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for group in self._group_ready:
             self._group_ready[group] = 0
         self._handles.clear()
+        self._joined = None
         if self._sender is not None and self._sender.scrub_nonfinite():
             self._stats.nonfinite_steps += 1
         self._round += 1
@@ -296,6 +316,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
+        self._joined = None
         ours = state_dict.pop(STATE_KEY, None)
         entry = None
         if ours is not None:  # validated before anything changes
@@ -338,6 +359,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.reset_state()
             self._sender.nonfinite.clear()
         self._handles = {}
+        self._joined = None
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._config_checked = False

@@ -1,4 +1,4 @@
-"""Entry point of one rank under the harness: ``python -m tests._rank_main WORKER ARGS.json OUTDIR``."""
+"""Entry point of one rank under the harness: ``python -m tests._rank_main [MODULE:]WORKER ARGS.json OUTDIR``."""
 import json
 import sys
 import traceback
@@ -9,7 +9,11 @@ def main() -> int:
     worker, args_path, outdir = sys.argv[1], sys.argv[2], sys.argv[3]
     import horovod.torch as hvd
 
-    from tests import workers
+    import importlib
+
+    # ``module:function`` runs ``tests.<module>.<function>``; a bare name runs ``tests.workers.<name>``.
+    module, _, worker = worker.rpartition(":")
+    workers = importlib.import_module("tests." + (module or "workers"))
 
     hvd.init()
     args = json.loads(Path(args_path).read_text())
