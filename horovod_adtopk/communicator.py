@@ -58,9 +58,10 @@ class Communicator:
             raise PeerLostError(f"horovod_adtopk: a collective failed; a peer rank was probably lost (killed, "
                                 f"crashed or unreachable). Horovod said: {exc}") from exc
 
-    def active_members(self) -> int:
-        """How many members have not called ``hvd.join()`` (a joined rank adds zeros to an allreduce)."""
-        return int(self.wait(self.allreduce_async_(torch.ones(1), "hat.active", hvd.Sum)).item())
+    @staticmethod
+    def poll(handle) -> bool:
+        """Whether an asynchronous collective has finished (never blocks)."""
+        return hvd.poll(handle)
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.wait(self.allgather_async(tensor, name))

@@ -71,6 +71,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._config_checked = False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
         self._joined: Optional[bool] = None  # a member called hvd.join() (asked once per round; None: not yet)
+        self._join_query = None  # this round's join query in flight
+        self._waiting: List[torch.Tensor] = []  # sparse tensors whose hook came before the join query's answer
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
                        for p, name in self._parameter_names.items() if p.requires_grad and _floating(p, name)}
         self._sparse_path: Dict[str, bool] = {}
@@ -132,7 +134,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             group = self._groups.get(p)
             if group is None:
-                self._handles[p] = self._submit(p)
+                self._handles[p] = self._submit(p, wait=False)
+                if self._handles[p] is None:
+                    self._waiting.append(p)
+                self._send_waiting()
                 return
             self._group_ready[group] += 1
             self._handles[p] = None
@@ -164,25 +169,48 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"gradient of {name!r} has dtype {p.grad.dtype}; a floating dtype is needed")
         return p.grad
 
-    def _submit(self, p) -> Exchange:
+    def _submit(self, p, wait: bool = True) -> Optional[Exchange]:
+        """The exchange of ``p`` for this round. From a hook (``wait=False``) a sparse tensor may get None:
+        it waits for this round's join query and is sent by a later hook or by ``synchronize()``."""
         self._check_config()
         name = self._parameter_names[p]
+        sparse = self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps
+        if sparse:
+            joined = self._peer_joined(wait)
+            if joined is None:
+                return None
+            sparse = not joined
         grad = self._take_grad(p)
-        if self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps \
-                and not self._peer_joined():
+        if sparse:
             return self._sender.send(p, grad, self._infos[name], self._round)
         exchange = DenseExchange(self._comm, p, self._dense_grad(name, p, grad), self._dense_compression, name,
                                  self.op, self._scales())
         self._stats.record(name, p.numel(), p.numel(), exchange.bytes)
         return exchange
 
-    def _peer_joined(self) -> bool:
-        """Whether a member has called ``hvd.join()``: asked by a tiny allreduce before the round's first
-        sparse exchange. Horovod cannot allgather while a rank is joined (the joined rank's background loop
-        crashes, and under MPI the others hang), but joined ranks take part in allreduces with zeros, so
-        such a round goes dense, as ``hvd.DistributedOptimizer`` would (the memory is sent along)."""
+    def _send_waiting(self) -> None:
+        """Send the sparse tensors that waited for this round's join query, once it has answered."""
+        if self._waiting and self._peer_joined(wait=False) is not None:
+            for q in self._waiting:
+                self._handles[q] = self._submit(q)
+            self._waiting.clear()
+
+    def _peer_joined(self, wait: bool) -> Optional[bool]:
+        """Whether a member has called ``hvd.join()`` (None: the answer is not in yet and ``wait`` is False).
+
+        Horovod cannot allgather while a rank is joined (the joined rank's background loop crashes, and
+        under MPI the others hang), but joined ranks take part in allreduces with zeros. So once per round,
+        at its first sparse tensor, every rank starts a 1-element allreduce of ones; a sum below the size
+        means someone joined, and that round goes dense, as ``hvd.DistributedOptimizer`` would (the memory
+        is sent along). The hooks only poll the query, so its round trip overlaps the backward pass."""
         if self._joined is None:
-            self._joined = self._comm.active_members() < self._comm.size()
+            if self._join_query is None:
+                self._join_query = self._comm.allreduce_async_(torch.ones(1), "hat.active", hvd.Sum)
+            if not wait and not self._comm.poll(self._join_query):
+                return None
+            active = int(self._comm.wait(self._join_query).item())
+            self._join_query = None
+            self._joined = active < self._comm.size()
             if self._joined:
                 warnings.warn("horovod_adtopk: a rank has called hvd.join(); gradients travel dense (allreduce) "
                               "while ranks are joined, since Horovod cannot allgather with joined ranks.")
@@ -249,6 +277,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for group in self._group_ready:
             self._group_ready[group] = 0
         self._handles.clear()
+        self._waiting.clear()
         self._joined = None
         if self._sender is not None and self._sender.scrub_nonfinite():
             self._stats.nonfinite_steps += 1
@@ -316,7 +345,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        self._joined = None
+        self._joined, self._join_query = None, None
+        self._waiting.clear()
         ours = state_dict.pop(STATE_KEY, None)
         entry = None
         if ours is not None:  # validated before anything changes
@@ -359,7 +389,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.reset_state()
             self._sender.nonfinite.clear()
         self._handles = {}
-        self._joined = None
+        self._joined, self._join_query = None, None
+        self._waiting.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._config_checked = False
