@@ -30,6 +30,7 @@ from . import config_check, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseSender
+from .join import JoinQuery
 from .memory import ErrorFeedback
 from .partial import PartialSparsification
 from .stats import Stats
@@ -70,8 +71,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._config_checked = False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
-        self._joined: Optional[bool] = None  # a member called hvd.join() (asked once per round; None: not yet)
-        self._join_query = None  # this round's join query in flight
+        self._join = JoinQuery(self._comm)  # has a member called hvd.join()? asked once per round
         self._waiting: List[torch.Tensor] = []  # sparse tensors whose hook came before the join query's answer
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
                        for p, name in self._parameter_names.items() if p.requires_grad and _floating(p, name)}
@@ -171,12 +171,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p, wait: bool = True) -> Optional[Exchange]:
         """The exchange of ``p`` for this round. From a hook (``wait=False``) a sparse tensor may get None:
-        it waits for this round's join query and is sent by a later hook or by ``synchronize()``."""
+        it waits for this round's join query (:mod:`horovod_adtopk.join`) and is sent by a later hook or by
+        ``synchronize()``."""
         self._check_config()
         name = self._parameter_names[p]
         sparse = self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps
         if sparse:
-            joined = self._peer_joined(wait)
+            joined = self._join.answer(wait)
             if joined is None:
                 return None
             sparse = not joined
@@ -190,31 +191,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _send_waiting(self) -> None:
         """Send the sparse tensors that waited for this round's join query, once it has answered."""
-        if self._waiting and self._peer_joined(wait=False) is not None:
+        if self._waiting and self._join.answer(wait=False) is not None:
             for q in self._waiting:
                 self._handles[q] = self._submit(q)
             self._waiting.clear()
-
-    def _peer_joined(self, wait: bool) -> Optional[bool]:
-        """Whether a member has called ``hvd.join()`` (None: the answer is not in yet and ``wait`` is False).
-
-        Horovod cannot allgather while a rank is joined (the joined rank's background loop crashes, and
-        under MPI the others hang), but joined ranks take part in allreduces with zeros. So once per round,
-        at its first sparse tensor, every rank starts a 1-element allreduce of ones; a sum below the size
-        means someone joined, and that round goes dense, as ``hvd.DistributedOptimizer`` would (the memory
-        is sent along). The hooks only poll the query, so its round trip overlaps the backward pass."""
-        if self._joined is None:
-            if self._join_query is None:
-                self._join_query = self._comm.allreduce_async_(torch.ones(1), "hat.active", hvd.Sum)
-            if not wait and not self._comm.poll(self._join_query):
-                return None
-            active = int(self._comm.wait(self._join_query).item())
-            self._join_query = None
-            self._joined = active < self._comm.size()
-            if self._joined:
-                warnings.warn("horovod_adtopk: a rank has called hvd.join(); gradients travel dense (allreduce) "
-                              "while ranks are joined, since Horovod cannot allgather with joined ranks.")
-        return self._joined
 
     def _dense_grad(self, name: str, p, grad: Optional[torch.Tensor]) -> torch.Tensor:
         """The gradient for the dense path. A tensor of the sparse path travelling dense (warm-up, partial
@@ -278,7 +258,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_ready[group] = 0
         self._handles.clear()
         self._waiting.clear()
-        self._joined = None
+        self._join.reset()
         if self._sender is not None and self._sender.scrub_nonfinite():
             self._stats.nonfinite_steps += 1
         self._round += 1
@@ -345,7 +325,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        self._joined, self._join_query = None, None
+        self._join.reset()
         self._waiting.clear()
         ours = state_dict.pop(STATE_KEY, None)
         entry = None
@@ -389,7 +369,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.reset_state()
             self._sender.nonfinite.clear()
         self._handles = {}
-        self._joined, self._join_query = None, None
+        self._join.reset()
         self._waiting.clear()
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step

@@ -47,7 +47,6 @@ Kernels
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Tuple
 
