@@ -36,7 +36,8 @@ def test_selection_quality_quick(tmp_path):
         for name, L in rows[label]["layers"].items():
             # achieved density is exactly the compressor's nominal count (fixed-size rules)
             assert L["density"] == pytest.approx(layout[name]["nominal_density"])
-            assert 0.0 < L["energy"] <= L["oracle"] + 1e-9 <= 1.0 + 1e-9
+            # never more than the oracle beyond float32 rounding of the two sums
+            assert 0.0 < L["energy"] <= L["oracle"] * (1 + 1e-5) and L["oracle"] <= 1.0 + 1e-6
     ad = rows["adtopk@0.01"]["layers"]
     # conv2 [64, 32, 3, 3]: 64 fibers of 288, k = floor(2.88) = 2 -> 128 / 18432
     assert ad["conv2.weight"]["density"] == pytest.approx(128 / 18432)
