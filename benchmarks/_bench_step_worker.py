@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import socket
+import re
 import statistics
 import sys
 import time
@@ -63,6 +64,9 @@ def make_batches(model_name: str, batch: int, seq_len: int, count: int, seed: in
         elif model_name == "lstm":
             x = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
             y = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
+        elif model_name == "cnn":  # examples/models.py SmallCNN on Fashion-MNIST-shaped 1x28x28 images
+            x = torch.randn(batch, 1, 28, 28, generator=g)
+            y = torch.randint(0, 10, (batch,), generator=g)
         else:  # resnet18 / cnn-like image models: 3x32x32
             x = torch.randn(batch, 3, 32, 32, generator=g)
             y = torch.randint(0, 10, (batch,), generator=g)
@@ -141,7 +145,12 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
         base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
         return ddp, base, "ddp", state
     partial = mode.endswith("-p")  # e.g. adtopk-p: partial sparsification decides per tensor after warm-up
-    compression = hat.Compression.get(mode[:-2] if partial else mode, ratio=cfg["ratio"])
+    name = mode[:-2] if partial else mode
+    psgd = re.fullmatch(r"powersgd(\d*)", name)  # our PowerSGD: powersgd (rank --powersgd-rank) or powersgdR
+    if psgd:
+        compression = hat.Compression.from_options("powersgd", rank=int(psgd.group(1) or cfg["powersgd_rank"]))
+    else:
+        compression = hat.Compression.get(name, ratio=cfg["ratio"])
     opt = hat.DistributedOptimizer(base, named_parameters=named, compression=compression,
                                    partial_sparsification=partial, profile_rounds=max(1, cfg["warmup"]))
     return model, opt, "hat", None

@@ -1,84 +1,102 @@
 #!/usr/bin/env python
-"""Convergence benchmark: dense training vs sparse gradient compressors, same seed, same budget.
+"""Convergence benchmark: dense training vs gradient compressors, several seeds, with and without warm-up.
 
 How to run (from the repository root, with the package and Horovod installed: ``scripts/setup.sh``)::
 
-    python benchmarks/bench_convergence.py --quick                   # smoke test, < 2 minutes
-    python benchmarks/bench_convergence.py                           # full grid (about an hour on 2 cores)
-    python benchmarks/bench_convergence.py --datasets fashion-mnist --methods none,adtopk,topk --ratios 0.01
+    python benchmarks/bench_convergence.py --quick                  # smoke test, a few minutes
+    python benchmarks/bench_convergence.py                          # the full design (hundreds of CPU hours)
+    python benchmarks/bench_convergence.py --datasets fashion-mnist --epochs 1 --seeds 1,2,3 \\
+        --methods dense,adtopk,topk,adtopk_i,dgc,powersgd1,powersgd4 --ratios 0.01 --warmup on \\
+        --step-times bench_results/step_cnn.json
+    python benchmarks/bench_convergence.py --analyse-only --step-times ...   # re-aggregate what is in --out-dir
+
+Design (the defaults): 3 seeds; Fashion-MNIST with the small CNN for 10 epochs, Fashion-MNIST with the
+ResNet-style model (``--resnet-epochs`` 3, only with ``--datasets fashion-mnist-resnet``), Shakespeare with
+the char LSTM for 2,000 steps; methods dense, ADTopk, ADTopk-I, Top-k, DGC, PowerSGD rank 1 and rank 4;
+ratios 0.01 and 0.001 (sparse methods; PowerSGD has a rank instead, dense neither); with and without
+compression warm-up.
+
+Methods. ``dense`` (= train.py ``--compressor none``), any train.py compressor name, and ``powersgdR``
+(``--compressor powersgd --powersgd-rank R``, our PowerSGD in the same engine: the same optimizer, error
+feedback and byte counters as the sparse compressors). Warm-up (``--warmup on|off|both``): a run "with
+warm-up" (suffix ``_wu`` in its name, ``+wu`` in tables) passes ``--dense-rounds D`` (the first D steps all
+dense) and, for the sparse compressors, ``--density-warmup W --density-start S`` (DGC's exponential density
+warm-up from S down to the ratio over W steps; PowerSGD gets the dense rounds only). Dense runs are the same
+with or without warm-up and run once per seed. Every run of a seed uses the same ``--seed``: the same
+initialisation, data order and learning-rate schedule, so only the gradient exchange differs.
 
 Every run is one launch of ``horovodrun -np N --gloo python examples/train.py`` (sequential, each under
-``--run-timeout``), with the same ``--seed`` for every method, so the model initialisation, the data order
-and the learning-rate schedule are identical and only the gradient compressor differs. Grid: datasets
-(Fashion-MNIST with the small CNN, Shakespeare with the char LSTM) x methods (``none`` = dense, run once
-per dataset and always included as the baseline) x ratios (sparse methods only).
+``--run-timeout``). train.py evaluates at epoch ends and at the end only, so each run also writes a
+checkpoint every ceil(total_steps / ``--eval-points``) steps (``--keep-checkpoints 0``: train.py keeps only
+the newest 2 by default); after the run every checkpoint's model is scored here on the same test examples
+train.py uses (each rank's ``rank::world`` share, at most ``--test-batches`` batches of
+``--test-batch-size``), at the step, wall time and byte counters stored in the checkpoint. The checkpoint
+at an epoch end is compared once per dataset with train.py's own test loss there (``eval_check_abs_diff``).
+Checkpoints are deleted afterwards unless ``--keep-checkpoints``. ``--log-every`` is passed in seconds.
 
-What is measured per run (from train.py's ``--metrics-out`` JSONL, written by rank 0):
+Aggregation. All run records in ``--out-dir/runs`` (so several invocations into one folder, e.g. one per
+ratio, are analysed together; runs are grouped by dataset, method, ratio and warm-up, and all runs of a
+group must have the same settings) give per group the mean and sample standard deviation over seeds of:
+the final test accuracy (Fashion-MNIST) or perplexity (Shakespeare); bytes sent / bytes a dense fp32
+allreduce would send (both counted by the optimizer, summed over ranks); the achieved density
+(elements sent / elements); the steps to the target (first evaluation point with accuracy >=
+``--target-accuracy``, default 0.85; for Shakespeare perplexity <= (1 + ``--ppl-tolerance``) x dense's
+mean final perplexity), only as fine as the evaluation points; and the modelled time to the target on the
+link of ``--step-rate`` (default 1gbit): steps_to_target x the step time that ``benchmarks/bench_step.py``
+measured for that method (``--step-times FILE``: its JSON; cell with ``--step-np`` ranks, model
+``--step-model``, default cnn for Fashion-MNIST and lstm for Shakespeare; dense = ``hvd-dense``; PowerSGD
+rank R = mode ``powersgdR``; a sparse method's step time at the run's ratio when the JSON has it, else at
+the JSON's ratio, noted). With warm-up, the first D dense rounds are charged at the dense step time and the
+rest at the method's step time (the density warm-up steps, which send more than the final ratio, are
+charged at the final ratio's step time: an underestimate there). Measured wall times on this CPU machine
+are reported too, but they measure oversubscribed compute, not a network.
 
-- final test metric: accuracy (Fashion-MNIST) or perplexity (Shakespeare, plus character accuracy);
-- delta vs dense: accuracy difference in percentage points, or perplexity ratio ppl / ppl_dense;
-- wall time: train.py's ``wall_time`` of the last record (training loop only; it includes train.py's own
-  test evaluations at epoch ends and at the end, and, unless ``--eval-points 0``, the checkpoint writes
-  described below; with very short runs the final evaluation dominates it);
-- time-to-target: the first ``wall_time`` at which the run's test metric reached the target
-  accuracy >= ``--tta-frac`` (0.95) x dense's final accuracy, or perplexity <= ``--tta-ppl-factor``
-  (1.10) x dense's final perplexity; ``n/a`` when never reached. It is only as fine as the evaluation
-  points (column ``pts``), so it is coarse;
-- bytes sent vs dense: ``bytes_sent / bytes_dense`` (both summed over ranks, counted by the optimizer;
-  ``bytes_dense`` is what a dense fp32 allreduce of the same tensors would have moved);
-- achieved density: ``elements_sent / elements_total`` from the metrics. It exceeds the ratio because of
-  the ``k >= 1`` floor per fiber / tensor and because small tensors (biases) travel dense.
+Outputs in ``--out-dir`` (default ``bench_results/convergence``): ``<run>.jsonl`` (train.py's own),
+``logs/``, ``runs/<run>.json`` (one record per run, with its evaluation points), ``curves/<run>.jsonl``,
+``summary.json`` (machine, settings, groups, verdicts), ``table.md`` (the markdown table and verdicts) and
+per (dataset, ratio, warm-up) setting one PNG with three panels, test metric vs epoch, vs bytes sent and vs
+modelled wall time, mean over seeds with a +-1 std band (dense and PowerSGD appear in every setting of
+their dataset). Finally the verdict lines of the targets, met / missed with the numbers (reported, not
+asserted):
 
-Evaluation points. train.py evaluates at epoch ends and at the end only (it has no per-N-steps
-evaluation flag), so with ``--eval-points K`` (default 5) each run also writes checkpoints every
-ceil(total_steps / K) steps (``--checkpoint-every``); after the run this script loads each checkpoint's
-model and scores it on the same test examples train.py would use (each rank's ``rank::world`` share, at
-most ``--test-batches`` batches each), at the wall time and byte counters stored in the checkpoint. The
-final checkpoint of the first run of each dataset is scored too and compared with train.py's own final
-test loss as a consistency check (``eval_check_abs_diff`` in the summary). Checkpoints are deleted afterwards unless
-``--keep-checkpoints``. The per-run curves (train.py's records plus the checkpoint points, in train.py's
-JSONL schema) go to ``OUT/curves/`` and are plotted with ``examples/plot.py`` per dataset into ``OUT``.
-
-Outputs in ``--out-dir`` (default ``bench_results/convergence``; ``.../quick`` with ``--quick``): one
-``<run>.jsonl`` per run (train.py's own file), ``logs/<run>.log``, ``curves/<run>.jsonl``, the PNGs,
-``table.txt`` and ``summary.json`` (machine info: CPU model, cores, load average, torch / horovod
-versions; settings; every row with its evaluation points). Finally the script reports, without
-asserting, whether these targets hold per dataset (accuracy points; for Shakespeare character-accuracy
-points): ADTopk within 0.5 points of dense at 0.01 (not more than 0.5 below), ADTopk at least as good as
-Top-k at 0.01, ADTopk at least 1 point better than Top-k at 0.001. With one seed, differences of well
-under a point are within run-to-run noise.
-
-Wall times on a small CPU machine with more ranks than cores measure oversubscribed compute plus
-compression cost, not a network; compare them between methods of the same invocation only.
+1. Fashion-MNIST, 0.01 with warm-up, mean of the seeds: ADTopk within 0.5 points of dense (not more than
+   0.5 below), and not worse than Top-k by more than one standard deviation (the larger of the two
+   groups' stds);
+2. Shakespeare, 0.01 with warm-up: ADTopk's perplexity within 5% of dense's (<= 1.05 x);
+3. 0.001 with warm-up: no method diverges (non-finite final test loss, or final accuracy below
+   ``--diverge-accuracy``, default 0.2 = twice chance) and ADTopk's mean >= Top-k's;
+4. on the ``--step-rate`` link ADTopk reaches ``--target-accuracy`` on Fashion-MNIST first (smallest mean
+   modelled time) among all methods of the 0.01 with-warm-up setting, dense and PowerSGD included.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
+import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import common
 from common import HOROVODRUN, run_command
 
+REPO = common.REPO_ROOT
 TRAIN = common.EXAMPLES_DIR / "train.py"
-PLOT = common.EXAMPLES_DIR / "plot.py"
-DATASETS = ("fashion-mnist", "shakespeare")
-DEFAULT_METHODS = ("none", "adtopk", "topk", "adtopk_i", "dgc", "randomk")
+DATASETS = ("fashion-mnist", "fashion-mnist-resnet", "shakespeare")
+DEFAULT_METHODS = ("dense", "adtopk", "adtopk_i", "topk", "dgc", "powersgd1", "powersgd4")
 DEFAULT_RATIOS = (0.01, 0.001)
-DENSE = "none"
-QUICK = {"np": 2, "datasets": ["fashion-mnist"], "methods": [DENSE, "adtopk", "topk"], "ratios": [0.01],
-         "max_steps_fashion": 20, "max_steps_shakespeare": 10, "eval_points": 2, "run_timeout": 60.0,
-         "test_batches": 2}
+DEFAULT_SEEDS = (1, 2, 3)
+QUICK = {"np": 2, "datasets": ["fashion-mnist"], "methods": ["dense", "adtopk", "topk", "powersgd1"],
+         "ratios": [0.01], "seeds": [1, 2], "max_steps_fashion": 40, "eval_points": 2, "run_timeout": 120.0,
+         "test_batches": 2, "dense_rounds": 5, "density_warmup": 10}
 
 
 def csv_list(text: str) -> List[str]:
@@ -89,86 +107,116 @@ def csv_floats(text: str) -> List[float]:
     return [float(t) for t in csv_list(text)]
 
 
+def csv_ints(text: str) -> List[int]:
+    return [int(t) for t in csv_list(text)]
+
+
+def canonical_method(name: str) -> str:
+    m = name.strip().lower().replace("-", "_")
+    return "dense" if m in ("none", "dense") else m
+
+
+def is_powersgd(method: str) -> bool:
+    return re.fullmatch(r"powersgd\d*", method) is not None
+
+
+def uses_ratio(method: str) -> bool:
+    return method not in ("dense", "fp16") and not is_powersgd(method)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " See the module docstring for details.",
-                                formatter_class=argparse.HelpFormatter)
-    p.add_argument("--np", type=int, default=None, help="ranks per run (default 4; 2 with --quick)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + " See the module docstring for details.")
+    p.add_argument("--np", type=int, default=None, help="ranks per run (default 2)")
     p.add_argument("--datasets", type=csv_list, default=None,
-                   help="comma list of fashion-mnist, shakespeare (default both; fashion-mnist with --quick)")
+                   help="comma list of fashion-mnist (small CNN), fashion-mnist-resnet (ResNet-style CNN), "
+                        "shakespeare (default fashion-mnist,shakespeare)")
     p.add_argument("--methods", type=csv_list, default=None,
-                   help=f"comma list of train.py compressors (default {','.join(DEFAULT_METHODS)}; "
-                        "none,adtopk,topk with --quick); dense (none) is always added as the baseline")
-    p.add_argument("--ratios", type=csv_floats, default=None,
-                   help="comma list of densities for the sparse methods (default 0.01,0.001; 0.01 with --quick)")
-    p.add_argument("--seed", type=int, default=42, help="the same seed for every run (default 42)")
-    p.add_argument("--epochs", type=int, default=1, help="train.py --epochs for both datasets (default 1)")
-    p.add_argument("--max-steps-fashion", type=int, default=None,
-                   help="train.py --max-steps for fashion-mnist (default: no cap, i.e. --epochs full epochs; "
-                        "20 with --quick)")
+                   help=f"comma list: dense, train.py compressors, powersgdR (default {','.join(DEFAULT_METHODS)}); "
+                        "dense is always added as the baseline")
+    p.add_argument("--ratios", type=csv_floats, default=None, help="densities of the sparse methods (default 0.01,0.001)")
+    p.add_argument("--seeds", type=csv_ints, default=None, help="comma list of seeds (default 1,2,3)")
+    p.add_argument("--warmup", choices=("on", "off", "both"), default="on",
+                   help="compression warm-up variants of the non-dense methods (default on)")
+    p.add_argument("--dense-rounds", type=int, default=None, help="warm-up: train.py --dense-rounds (default 100)")
+    p.add_argument("--density-warmup", type=int, default=None,
+                   help="warm-up, sparse methods: train.py --density-warmup steps (default: one epoch, 469 at 2 ranks)")
+    p.add_argument("--density-start", type=float, default=0.25, help="warm-up: train.py --density-start (default 0.25)")
+    p.add_argument("--epochs", type=int, default=10, help="Fashion-MNIST small-CNN epochs (default 10)")
+    p.add_argument("--resnet-epochs", type=int, default=3, help="Fashion-MNIST ResNet-style epochs (default 3)")
+    p.add_argument("--max-steps-fashion", type=int, default=None, help="train.py --max-steps for fashion-mnist runs")
     p.add_argument("--max-steps-shakespeare", type=int, default=None,
-                   help="train.py --max-steps for shakespeare (default 300; 10 with --quick)")
+                   help="train.py --max-steps for shakespeare (default 2000)")
+    p.add_argument("--lr-warmup-steps", type=int, default=None,
+                   help="train.py --warmup-steps (linear lr warm-up; default train.py's: one epoch)")
     p.add_argument("--eval-points", type=int, default=None,
-                   help="extra evaluation points per run through checkpoints (0: only train.py's epoch-end/final "
-                        "records; default 5, 2 with --quick)")
-    p.add_argument("--test-batches", type=int, default=None,
-                   help="train.py --test-batches (per rank; default: the whole test set; 2 with --quick)")
+                   help="evaluation points per run through checkpoints (default 10; 0: only train.py's records)")
+    p.add_argument("--test-batches", type=int, default=None, help="train.py --test-batches per rank (default 5)")
     p.add_argument("--test-batch-size", type=int, default=500, help="train.py --test-batch-size (default 500)")
+    p.add_argument("--curve-test-batches", type=int, default=None,
+                   help="test batches per rank for scoring the intermediate checkpoints (default: --test-batches); "
+                        "fewer makes the curves cheaper but noisier; the final point is always train.py's own "
+                        "evaluation on --test-batches")
     p.add_argument("--train-args", default="",
-                   help='extra train.py arguments for every run, one shell-quoted string; write it as --train-args="--warmup-steps 50"')
-    p.add_argument("--run-timeout", type=float, default=None,
-                   help="seconds per train.py launch before its process tree is killed (default 1800; 60 with --quick)")
-    p.add_argument("--tta-frac", type=float, default=0.95,
-                   help="time-to-target for accuracy: first time accuracy >= this x dense's final accuracy (default 0.95)")
-    p.add_argument("--tta-ppl-factor", type=float, default=1.10,
-                   help="time-to-target for perplexity: first time perplexity <= this x dense's final perplexity (default 1.10)")
-    p.add_argument("--out-dir", type=Path, default=None,
-                   help="results folder (default bench_results/convergence, bench_results/convergence/quick with --quick)")
-    p.add_argument("--keep-checkpoints", action="store_true", help="keep the evaluation checkpoints of every run")
+                   help='extra train.py arguments for every run, one shell-quoted string: --train-args="--lr 0.05"')
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds per train.py launch (default 7200)")
+    p.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy target (default 0.85)")
+    p.add_argument("--ppl-tolerance", type=float, default=0.05,
+                   help="Shakespeare target: perplexity <= (1 + this) x dense's mean final perplexity (default 0.05)")
+    p.add_argument("--diverge-accuracy", type=float, default=0.2,
+                   help="a Fashion-MNIST run below this final accuracy counts as diverged (default 0.2)")
+    p.add_argument("--step-times", type=Path, default=None, help="benchmarks/bench_step.py JSON with the step times")
+    p.add_argument("--step-rate", default="1gbit", help="link rate cell of --step-times (default 1gbit)")
+    p.add_argument("--step-np", type=int, default=None, help="ranks of the --step-times cell (default --np)")
+    p.add_argument("--step-model", default=None,
+                   help="model of the --step-times cell (default: cnn / resnet18 / lstm per dataset)")
+    p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench_results/convergence)")
+    p.add_argument("--plot-dir", type=Path, default=None, help="where the PNGs go (default --out-dir)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep the evaluation checkpoints")
     p.add_argument("--reuse", action="store_true",
-                   help="skip a run whose previous result in --out-dir finished with exactly the same command")
-    p.add_argument("--no-plots", action="store_true", help="do not call examples/plot.py")
+                   help="skip a run whose record in --out-dir finished with exactly the same command")
+    p.add_argument("--analyse-only", action="store_true", help="launch nothing; aggregate the records in --out-dir")
+    p.add_argument("--no-plots", action="store_true")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test under 2 minutes: 2 ranks, fashion-mnist, dense + adtopk + topk at 0.01, 20 steps, "
-                        "2 test batches of 500 per rank")
+                   help="smoke test: 2 ranks, fashion-mnist, dense/adtopk/topk/powersgd1 at 0.01 with warm-up, "
+                        "2 seeds, 40 steps")
     args = p.parse_args(argv)
 
     q = QUICK if args.quick else {}
-    if args.np is None:
-        args.np = q.get("np", 4)
-    if args.datasets is None:
-        args.datasets = list(q.get("datasets", DATASETS))
-    if args.methods is None:
-        args.methods = list(q.get("methods", DEFAULT_METHODS))
-    if args.ratios is None:
-        args.ratios = list(q.get("ratios", DEFAULT_RATIOS))
+    args.np = args.np or q.get("np", 2)
+    args.datasets = args.datasets or list(q.get("datasets", ["fashion-mnist", "shakespeare"]))
+    args.methods = args.methods or list(q.get("methods", DEFAULT_METHODS))
+    args.ratios = args.ratios or list(q.get("ratios", DEFAULT_RATIOS))
+    args.seeds = args.seeds or list(q.get("seeds", DEFAULT_SEEDS))
+    if args.dense_rounds is None:
+        args.dense_rounds = q.get("dense_rounds", 100)
+    if args.density_warmup is None:
+        args.density_warmup = q.get("density_warmup")  # None: one epoch, resolved per dataset
     if args.max_steps_fashion is None:
         args.max_steps_fashion = q.get("max_steps_fashion")
     if args.max_steps_shakespeare is None:
-        args.max_steps_shakespeare = q.get("max_steps_shakespeare", 300)
+        args.max_steps_shakespeare = q.get("max_steps_shakespeare", 2000)
     if args.test_batches is None:
-        args.test_batches = q.get("test_batches")
+        args.test_batches = q.get("test_batches", 5)
+    if args.curve_test_batches is None:
+        args.curve_test_batches = args.test_batches
     if args.eval_points is None:
-        args.eval_points = q.get("eval_points", 5)
+        args.eval_points = q.get("eval_points", 10)
     if args.run_timeout is None:
-        args.run_timeout = q.get("run_timeout", 1800.0)
+        args.run_timeout = q.get("run_timeout", 7200.0)
     if args.out_dir is None:
         args.out_dir = REPO / "bench_results" / "convergence" / ("quick" if args.quick else "")
-
+    args.step_np = args.step_np or args.np
     for d in args.datasets:
         if d not in DATASETS:
             p.error(f"unknown dataset {d!r}; choose from {', '.join(DATASETS)}")
-    args.methods = [m.strip().lower().replace("-", "_") for m in args.methods]
-    if DENSE not in args.methods:
-        args.methods.insert(0, DENSE)
-    args.methods = list(dict.fromkeys(args.methods))
-    if not args.ratios or any(not 0.0 < r <= 1.0 for r in args.ratios):
+    args.methods = list(dict.fromkeys(["dense"] + [canonical_method(m) for m in args.methods]))
+    for m in args.methods:
+        if is_powersgd(m) and m == "powersgd":
+            p.error("write PowerSGD as powersgdR with its rank, e.g. powersgd1")
+    if any(not 0.0 < r <= 1.0 for r in args.ratios):
         p.error("--ratios must be in (0, 1]")
-    if args.np < 1 or args.epochs < 1 or args.eval_points < 0:
-        p.error("--np and --epochs must be >= 1, --eval-points >= 0")
-    for name in ("max_steps_fashion", "max_steps_shakespeare"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.np < 1 or args.epochs < 1 or args.eval_points < 0 or not args.seeds:
+        p.error("--np and --epochs must be >= 1, --eval-points >= 0, --seeds not empty")
     return args
 
 
@@ -176,8 +224,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # train.py (imported only for its argument parser, so the commands are validated and resolved here)
 # ---------------------------------------------------------------------------------------------------------
 
-# train.py's own argument parser, run where train.py runs (its directory first on the path, for its
-# sibling imports), once for every planned run.
 _RESOLVE = """
 import json, sys
 import train
@@ -230,6 +276,7 @@ def evaluate_checkpoint(path: Path, test_set, vocab: Optional[int], world: int, 
     import torch.nn.functional as F
     build_model = common.load_example("models").build_model
 
+    torch.set_num_threads(1)  # the scoring shares the CPUs with the next runs and other work
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     cfg = ckpt["config"]
     if cfg["model"] == "lstm":
@@ -276,17 +323,21 @@ def evaluate_checkpoint(path: Path, test_set, vocab: Optional[int], world: int, 
 # Runs
 # ---------------------------------------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------------------
+
+def train_dataset(dataset: str) -> str:
+    return "fashion-mnist" if dataset.startswith("fashion-mnist") else dataset
+
+
 def metric_key(dataset: str) -> str:
     return "test_perplexity" if dataset == "shakespeare" else "test_accuracy"
 
 
-def points_key(dataset: str) -> str:
-    """The metric the percentage-point targets use."""
-    return "test_char_accuracy" if dataset == "shakespeare" else "test_accuracy"
-
-
-def run_name(dataset: str, method: str, ratio: Optional[float]) -> str:
-    return f"{dataset}_{method}" if ratio is None else f"{dataset}_{method}_r{ratio:g}"
+def run_name(dataset: str, method: str, ratio: Optional[float], warmup: bool, seed: int) -> str:
+    return (f"{dataset}_{method}" + ("" if ratio is None else f"_r{ratio:g}") + ("_wu" if warmup else "")
+            + f"_s{seed}")
 
 
 def read_jsonl(path: Path) -> List[dict]:
@@ -302,44 +353,103 @@ def read_jsonl(path: Path) -> List[dict]:
     return rows
 
 
-def train_argv_for(args, dataset: str, method: str, ratio: Optional[float]) -> List[str]:
-    name = run_name(dataset, method, ratio)
-    out = args.out_dir
-    train_argv = ["--dataset", dataset, "--compressor", method, "--epochs", str(args.epochs), "--seed", str(args.seed),
-                  "--metrics-out", str(out / f"{name}.jsonl"), "--no-progress",
-                  "--test-batch-size", str(args.test_batch_size)]
-    if ratio is not None:
-        train_argv += ["--ratio", repr(ratio)]
-    max_steps = args.max_steps_fashion if dataset == "fashion-mnist" else args.max_steps_shakespeare
+def steps_per_epoch(args, dataset: str, batch_size: int, seq_len: int) -> int:
+    n_train, _, _ = test_data(train_dataset(dataset), seq_len)
+    return math.ceil(math.ceil(n_train / args.np) / batch_size)  # DistributedSampler, no drop_last
+
+
+def grid(args) -> List[dict]:
+    """Every planned run (seed-major, so an interrupted grid has whole seeds)."""
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.warmup]
+    runs = []
+    for seed in args.seeds:
+        for ds in args.datasets:
+            for m in args.methods:
+                for wu in ([False] if m == "dense" else variants):
+                    for ratio in (args.ratios if uses_ratio(m) else [None]):
+                        runs.append({"dataset": ds, "method": m, "ratio": ratio, "warmup": wu, "seed": seed})
+    return runs
+
+
+def train_argv_for(args, run: dict, spe: Optional[int]) -> List[str]:
+    ds, m = run["dataset"], run["method"]
+    name = run_name(ds, m, run["ratio"], run["warmup"], run["seed"])
+    compressor = "none" if m == "dense" else ("powersgd" if is_powersgd(m) else m)
+    argv = ["--dataset", train_dataset(ds), "--compressor", compressor, "--seed", str(run["seed"]),
+            "--metrics-out", str(args.out_dir / f"{name}.jsonl"), "--no-progress", "--log-every", "30",
+            "--test-batch-size", str(args.test_batch_size)]
+    if ds == "fashion-mnist-resnet":
+        argv += ["--model", "resnet", "--epochs", str(args.resnet_epochs)]
+    elif ds == "fashion-mnist":
+        argv += ["--epochs", str(args.epochs)]
+    if run["ratio"] is not None:
+        argv += ["--ratio", repr(run["ratio"])]
+    if is_powersgd(m):
+        argv += ["--powersgd-rank", m[len("powersgd"):]]
+    if run["warmup"]:
+        argv += ["--dense-rounds", str(args.dense_rounds)]
+        if uses_ratio(m):
+            w = args.density_warmup if args.density_warmup is not None else spe
+            argv += ["--density-warmup", str(w), "--density-start", repr(args.density_start)]
+    max_steps = args.max_steps_shakespeare if ds == "shakespeare" else args.max_steps_fashion
     if max_steps is not None:
-        train_argv += ["--max-steps", str(max_steps)]
+        argv += ["--max-steps", str(max_steps)]
     if args.test_batches is not None:
-        train_argv += ["--test-batches", str(args.test_batches)]
-    train_argv += shlex.split(args.train_args)
-    return train_argv
+        argv += ["--test-batches", str(args.test_batches)]
+    if args.lr_warmup_steps is not None:
+        argv += ["--warmup-steps", str(args.lr_warmup_steps)]
+    return argv + shlex.split(args.train_args)
 
 
-def plan_run(args, dataset: str, method: str, ratio: Optional[float], train_argv: List[str], resolved) -> dict:
-    name = run_name(dataset, method, ratio)
-    out = args.out_dir
-    if not isinstance(resolved, SimpleNamespace):
-        raise SystemExit(f"train.py rejects the arguments of run {name}: {' '.join(train_argv)} (exit {resolved})")
-    train_argv = list(train_argv)
-    n_train, _, _ = test_data(dataset, resolved.seq_len)
-    steps_per_epoch = math.ceil(math.ceil(n_train / args.np) / resolved.batch_size)  # DistributedSampler, no drop_last
-    total = resolved.epochs * steps_per_epoch
-    if resolved.max_steps is not None:
-        total = min(total, resolved.max_steps)
-    ckpt_dir = out / "checkpoints" / name
-    every = 0
-    if args.eval_points > 0 and total > 1:
-        every = max(1, math.ceil(total / args.eval_points))
-        train_argv += ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", str(every),
-                       "--log-every", str(max(every, 50))]
-    cmd = [HOROVODRUN, "-np", str(args.np), "--gloo", sys.executable, str(TRAIN)] + train_argv
-    return {"name": name, "dataset": dataset, "method": method, "ratio": ratio, "cmd": cmd, "resolved": resolved,
-            "total_steps": total, "steps_per_epoch": steps_per_epoch, "checkpoint_every": every,
-            "ckpt_dir": ckpt_dir if every else None}
+def plan_runs(args) -> List[dict]:
+    runs = grid(args)
+    # steps per epoch (for the default density warm-up of one epoch): resolve a dense argv per dataset first
+    spe = {}
+    for ds in args.datasets:
+        probe = train_argv_for(args, {"dataset": ds, "method": "dense", "ratio": None, "warmup": False, "seed": 0},
+                               None)
+        res = resolve_train_args([probe])[0]
+        if not isinstance(res, SimpleNamespace):
+            raise SystemExit(f"train.py rejects {' '.join(probe)} (exit {res})")
+        spe[ds] = steps_per_epoch(args, ds, res.batch_size, res.seq_len)
+    argvs = [train_argv_for(args, r, spe[r["dataset"]]) for r in runs]
+    plans = []
+    for run, argv, resolved in zip(runs, argvs, resolve_train_args(argvs)):
+        name = run_name(run["dataset"], run["method"], run["ratio"], run["warmup"], run["seed"])
+        if not isinstance(resolved, SimpleNamespace):
+            raise SystemExit(f"train.py rejects the arguments of run {name}: {' '.join(argv)} (exit {resolved})")
+        total = resolved.epochs * spe[run["dataset"]]
+        if resolved.max_steps is not None:
+            total = min(total, resolved.max_steps)
+        ckpt_dir = args.out_dir / "checkpoints" / name
+        every = 0
+        argv = list(argv)
+        if args.eval_points > 0 and total > 1:
+            every = max(1, math.ceil(total / args.eval_points))
+            argv += ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", str(every), "--keep-checkpoints", "0"]
+        cmd = [HOROVODRUN, "-np", str(args.np), "--gloo", sys.executable, str(TRAIN)] + argv
+        plans.append(dict(run, name=name, cmd=cmd, total_steps=total, steps_per_epoch=spe[run["dataset"]],
+                          checkpoint_every=every, ckpt_dir=ckpt_dir if every else None,
+                          dense_rounds=args.dense_rounds if run["warmup"] else 0,
+                          density_warmup=(resolved.density_warmup if run["warmup"] else 0),
+                          seq_len=resolved.seq_len, test_batch_size=resolved.test_batch_size,
+                          test_batches=resolved.test_batches,
+                          settings={"epochs": resolved.epochs, "max_steps": resolved.max_steps,
+                                    "batch_size": resolved.batch_size, "lr": resolved.lr,
+                                    "lr_warmup_steps": args.lr_warmup_steps, "np": args.np,
+                                    "test_batches": resolved.test_batches,
+                                    "test_batch_size": resolved.test_batch_size,
+                                    "curve_test_batches": args.curve_test_batches,
+                                    "eval_points": args.eval_points,
+                                    "density_start": args.density_start if run["warmup"] and uses_ratio(run["method"])
+                                    else None}))
+    return plans
+
+
+def portable(text: str) -> str:
+    """A command line without this machine's paths (the repository root becomes '.', the interpreter 'python')."""
+    text = text.replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(REPO), ".")
+    return re.sub(r"\S*/bin/horovodrun", "horovodrun", text)
 
 
 def execute_run(args, plan: dict) -> dict:
@@ -356,7 +466,8 @@ def execute_run(args, plan: dict) -> dict:
             old = json.loads(record_path.read_text())
         except json.JSONDecodeError:
             old = None
-        if old and old.get("command") == cmd_text and old.get("status") == "ok" and curve_path.is_file():
+        if old and old.get("command") == portable(cmd_text) and old.get("status") == "ok" \
+                and old.get("settings") == json.loads(json.dumps(plan["settings"])):
             old["reused"] = True
             return old
 
@@ -367,9 +478,8 @@ def execute_run(args, plan: dict) -> dict:
         shutil.rmtree(plan["ckpt_dir"])
     rc, output, seconds = run_command(plan["cmd"], timeout=args.run_timeout)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text(f"$ {cmd_text}\n{output}")
+    log_path.write_text(f"$ {portable(cmd_text)}\n{output}")
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
-
     records = read_jsonl(metrics_path)
     for r in records:
         r.setdefault("source", "train.py")
@@ -377,169 +487,434 @@ def execute_run(args, plan: dict) -> dict:
     if status == "ok" and final is None:
         status = "no metrics"
 
-    # Checkpoint evaluation points.
     points = {r["step"]: r for r in records}
-    eval_check = None
-    eval_error = None
+    eval_check = eval_error = None
     eval_seconds = 0.0
     if plan["ckpt_dir"] is not None and plan["ckpt_dir"].is_dir():
         t0 = time.monotonic()
-        resolved = plan["resolved"]
-        _, test_set, vocab = test_data(plan["dataset"], resolved.seq_len)
+        _, test_set, vocab = test_data(train_dataset(plan["dataset"]), plan["seq_len"])
         try:
             for ck in sorted(plan["ckpt_dir"].glob("ckpt-step*.pt"), key=lambda p: int(p.stem[len("ckpt-step"):])):
                 step = int(ck.stem[len("ckpt-step"):])
                 if step in points and plan["dataset"] in _CHECKED:
                     continue  # train.py scored it; the offline scoring is checked once per dataset
-                res = evaluate_checkpoint(ck, test_set, vocab, args.np, resolved.test_batch_size, resolved.test_batches)
-                if res["step"] in points:  # train.py scored this step itself: keep its record, check ours
+                check = step in points  # the consistency check scores exactly what train.py scored
+                res = evaluate_checkpoint(ck, test_set, vocab, args.np, plan["test_batch_size"],
+                                          plan["test_batches"] if check else args.curve_test_batches)
+                if res["step"] in points:
                     mine, theirs = res.get("test_loss"), points[res["step"]].get("test_loss")
                     if mine is not None and theirs is not None:
                         eval_check = max(eval_check or 0.0, abs(mine - theirs))
                         _CHECKED.add(plan["dataset"])
                 else:
                     res["epoch_progress"] = res["step"] / plan["steps_per_epoch"]
+                    res["test_batches"] = args.curve_test_batches
                     points[res["step"]] = res
         except Exception as exc:  # a damaged checkpoint must not lose the run's own metrics
             eval_error = f"{type(exc).__name__}: {exc}"
         eval_seconds = time.monotonic() - t0
         if not args.keep_checkpoints:
             shutil.rmtree(plan["ckpt_dir"], ignore_errors=True)
-            try:
-                plan["ckpt_dir"].parent.rmdir()  # only when empty
-            except OSError:
-                pass
     curve = [points[s] for s in sorted(points)]
     if curve:
         curve_path.parent.mkdir(parents=True, exist_ok=True)
         curve_path.write_text("".join(json.dumps(r) + "\n" for r in curve))
-
-    tail = "\n".join(output.strip().splitlines()[-15:]) if status != "ok" else None
-    row = {"name": name, "dataset": plan["dataset"], "method": plan["method"], "ratio": plan["ratio"],
-           "status": status, "returncode": rc, "launch_seconds": seconds, "eval_seconds": eval_seconds,
-           "command": cmd_text, "metrics_file": str(metrics_path), "curve_file": str(curve_path) if curve else None,
-           "log_file": str(log_path), "total_steps_planned": plan["total_steps"],
-           "steps_per_epoch": plan["steps_per_epoch"], "checkpoint_every": plan["checkpoint_every"],
-           "final": final, "points": [{k: r.get(k) for k in ("step", "wall_time", "test_accuracy", "test_perplexity",
-                                                              "test_char_accuracy", "test_loss", "bytes_sent",
-                                                              "density", "source")} for r in curve],
-           "eval_check_abs_diff": eval_check, "eval_error": eval_error, "log_tail": tail, "reused": False}
+    keys = ("step", "wall_time", "test_accuracy", "test_perplexity", "test_char_accuracy", "test_loss",
+            "bytes_sent", "bytes_dense", "density", "source")
+    row = {k: plan[k] for k in ("name", "dataset", "method", "ratio", "warmup", "seed", "total_steps",
+                                "steps_per_epoch", "checkpoint_every", "dense_rounds", "density_warmup", "settings")}
+    row.update({"status": status, "returncode": rc, "launch_seconds": seconds, "eval_seconds": eval_seconds,
+                "command": portable(cmd_text), "final": final,
+                "points": [{k: r.get(k) for k in keys} for r in curve], "eval_check_abs_diff": eval_check,
+                "eval_error": eval_error,
+                "log_tail": None if status == "ok" else "\n".join(output.strip().splitlines()[-15:]),
+                "reused": False})
     record_path.parent.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(row, indent=1))
     return row
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Analysis
 # ---------------------------------------------------------------------------------------------------------
 
-def analyse(rows: List[dict], args) -> None:
-    """Adds delta vs dense, time-to-target and byte ratios to every row (in place)."""
-    dense = {r["dataset"]: r for r in rows if r["method"] == DENSE and r["final"]}
-    for r in rows:
-        ds, key = r["dataset"], metric_key(r["dataset"])
-        f = r["final"] or {}
-        r["metric"] = key
-        r["final_metric"] = f.get(key)
-        r["final_points_metric"] = None if f.get(points_key(ds)) is None else 100.0 * f[points_key(ds)]
-        r["wall_time"] = f.get("wall_time")
-        r["steps"] = f.get("step")
-        r["density"] = f.get("density")
-        r["bytes_sent"] = f.get("bytes_sent")
-        r["bytes_vs_dense"] = (f["bytes_sent"] / f["bytes_dense"]) if f.get("bytes_dense") else None
-        d = dense.get(ds)
-        dfin = (d["final"] or {}).get(key) if d else None
-        r["delta_vs_dense"] = r["tta_target"] = r["time_to_target"] = None
-        r["delta_points_vs_dense"] = None
-        if d and r["final_points_metric"] is not None and d["final"].get(points_key(ds)) is not None:
-            r["delta_points_vs_dense"] = r["final_points_metric"] - 100.0 * d["final"][points_key(ds)]
-        if dfin is None or r["final_metric"] is None:
-            continue
-        if key == "test_accuracy":
-            r["delta_vs_dense"] = 100.0 * (r["final_metric"] - dfin)
-            target = args.tta_frac * dfin
-            reached = lambda v: v >= target  # noqa: E731
-        else:
-            r["delta_vs_dense"] = r["final_metric"] / dfin
-            target = args.tta_ppl_factor * dfin
-            reached = lambda v: v <= target  # noqa: E731
-        r["tta_target"] = target
-        for p in r["points"]:
-            v = p.get(key)
-            if v is not None and p.get("wall_time") is not None and reached(v):
-                r["time_to_target"] = p["wall_time"]
-                break
-        if d.get("bytes_sent"):
-            r["bytes_vs_dense_run"] = (r["bytes_sent"] or 0.0) / d["final"]["bytes_sent"] if d["final"].get("bytes_sent") else None
+def mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
 
 
-fmt = functools.partial(common.fmt, none="n/a")
+def step_mode(method: str) -> str:
+    return "hvd-dense" if method == "dense" else method
 
 
-def table(rows: List[dict]) -> str:
-    head = ["dataset", "method", "ratio", "final", "vs dense", "wall s", "to target s", "pts", "bytes/dense",
-            "density", "status"]
-    lines = []
-    for r in rows:
-        acc = r["metric"] == "test_accuracy"
-        final = fmt(None if r["final_metric"] is None else (100 * r["final_metric"] if acc else r["final_metric"]),
-                    ".2f") + ("%" if acc and r["final_metric"] is not None else (" ppl" if r["final_metric"] else ""))
-        if r["method"] == DENSE:
-            delta = "(base)" if r["final_metric"] is not None else "n/a"
-        elif r["delta_vs_dense"] is None:
-            delta = "n/a"
-        else:
-            delta = f"{r['delta_vs_dense']:+.2f} pt" if acc else f"x{r['delta_vs_dense']:.3f}"
-        lines.append([r["dataset"], r["method"], "-" if r["ratio"] is None else f"{r['ratio']:g}", final, delta,
-                      fmt(r["wall_time"], ".1f"), fmt(r["time_to_target"], ".1f"), str(len(r["points"])),
-                      fmt(r["bytes_vs_dense"], ".4f"), fmt(r["density"], ".4f"), r["status"]])
-    return common.table(head, lines)
+def load_step_times(args) -> dict:
+    """{model: {mode: {ratio or None: (seconds, file)}}} from the --step-times JSON files (comma list allowed)."""
+    table: Dict[str, Dict[str, dict]] = {}
+    if args.step_times is None:
+        return table
+    for path in str(args.step_times).split(","):
+        data = json.loads(Path(path).read_text())
+        ratio = data.get("config", {}).get("ratio")
+        for cell in data.get("cells", []):
+            if cell.get("rate") != args.step_rate or cell.get("np") != args.step_np:
+                continue
+            for mode, res in cell.get("modes", {}).items():
+                key = ratio if uses_ratio(mode) and mode not in ("hvd-dense", "hvd-fp16", "compute") else None
+                slot = table.setdefault(cell["model"], {}).setdefault(mode, {})
+                if key in slot:
+                    continue  # the first file that has it wins (ratio-independent modes: dense, powersgd)
+                slot[key] = (
+                    res["median_s"], Path(path).name, data.get("git_commit"))
+    return table
 
 
-def targets(rows: List[dict]) -> List[dict]:
-    """The three ADTopk targets per dataset, in percentage points of (character) accuracy."""
-    def pts(ds, method, ratio):
-        for r in rows:
-            if r["dataset"] == ds and r["method"] == method and (ratio is None or r["ratio"] == ratio) \
-                    and r["final_points_metric"] is not None:
-                return r["final_points_metric"]
+def step_model_for(args, dataset: str) -> str:
+    return args.step_model or {"fashion-mnist": "cnn", "fashion-mnist-resnet": "resnet18",
+                               "shakespeare": "lstm"}[dataset]
+
+
+def step_time(args, steps_table: dict, dataset: str, method: str, ratio: Optional[float]):
+    """(seconds, note) of one step of ``method`` on the --step-rate link, or (None, why)."""
+    modes = steps_table.get(step_model_for(args, dataset), {})
+    by_ratio = modes.get(step_mode(method))
+    if not by_ratio:
+        return None, f"no {step_mode(method)} step time for model {step_model_for(args, dataset)}"
+    if ratio is None or not uses_ratio(method):
+        got = by_ratio.get(None) or next(iter(by_ratio.values()))
+        return got[0], ""
+    if ratio in by_ratio:
+        return by_ratio[ratio][0], ""
+    other = sorted(by_ratio, key=lambda r: abs(math.log(r / ratio)) if r else 1e9)[0]
+    return by_ratio[other][0], f"step time measured at ratio {other:g}"
+
+
+def modelled_seconds(steps: Optional[int], dense_rounds: int, t_method: Optional[float], t_dense: Optional[float]):
+    if steps is None or t_method is None or (dense_rounds and t_dense is None):
         return None
-
-    checks = []
-    for ds in dict.fromkeys(r["dataset"] for r in rows):
-        unit = "char-accuracy points" if ds == "shakespeare" else "accuracy points"
-        dense, a1, t1 = pts(ds, DENSE, None), pts(ds, "adtopk", 0.01), pts(ds, "topk", 0.01)
-        a3, t3 = pts(ds, "adtopk", 0.001), pts(ds, "topk", 0.001)
-        specs = [
-            ("ADTopk within 0.5 points of dense at 0.01", (a1, dense), lambda a, d: a >= d - 0.5,
-             lambda a, d: f"adtopk {a:.2f} vs dense {d:.2f} ({a - d:+.2f})"),
-            ("ADTopk at least as good as Top-k at 0.01", (a1, t1), lambda a, t: a >= t,
-             lambda a, t: f"adtopk {a:.2f} vs topk {t:.2f} ({a - t:+.2f})"),
-            ("ADTopk at least 1 point better than Top-k at 0.001", (a3, t3), lambda a, t: a >= t + 1.0,
-             lambda a, t: f"adtopk {a:.2f} vs topk {t:.2f} ({a - t:+.2f})"),
-        ]
-        for text, vals, ok, show in specs:
-            if any(v is None for v in vals):
-                checks.append({"dataset": ds, "target": text, "holds": None, "detail": "n/a (run missing)",
-                               "unit": unit})
-            else:
-                checks.append({"dataset": ds, "target": text, "holds": bool(ok(*vals)), "detail": show(*vals),
-                               "unit": unit})
-    return checks
+    d = min(steps, dense_rounds)
+    return d * (t_dense or 0.0) + (steps - d) * t_method
 
 
-def make_plots(rows: List[dict], out: Path) -> Dict[str, List[str]]:
-    plots = {}
-    for ds in dict.fromkeys(r["dataset"] for r in rows):
-        files = [r["curve_file"] for r in rows if r["dataset"] == ds and r.get("curve_file")]
-        if not files:
+def load_records(out_dir: Path) -> List[dict]:
+    rows = []
+    for path in sorted((out_dir / "runs").glob("*.json")):
+        try:
+            rows.append(json.loads(path.read_text()))
+        except json.JSONDecodeError:
+            print(f"warning: unreadable run record {path.name}", file=sys.stderr)
+    return [r for r in rows if r.get("status") == "ok" and r.get("final")]
+
+
+def group_key(r: dict) -> tuple:
+    return (r["dataset"], r["method"], r["ratio"], bool(r["warmup"]))
+
+
+def group_label(method: str, ratio: Optional[float], warmup: bool) -> str:
+    return method + ("" if ratio is None else f" r={ratio:g}") + (" +wu" if warmup else "")
+
+
+def reached(dataset: str, value: Optional[float], target: float) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    return value <= target if dataset == "shakespeare" else value >= target
+
+
+def analyse(args, records: List[dict]) -> Tuple[List[dict], dict]:
+    steps_table = load_step_times(args)
+    groups: Dict[tuple, List[dict]] = {}
+    for r in records:
+        groups.setdefault(group_key(r), []).append(r)
+    dense_final = {}
+    for (ds, m, ratio, wu), runs in groups.items():
+        if m == "dense":
+            dense_final[ds] = mean_std([(x["final"] or {}).get(metric_key(ds)) for x in runs])[0]
+    targets = {ds: (args.target_accuracy if ds != "shakespeare" else
+                    (None if dense_final.get(ds) is None else (1 + args.ppl_tolerance) * dense_final[ds]))
+               for ds in dict.fromkeys(r["dataset"] for r in records)}
+    out = []
+    def order(kv):  # dense first, then with warm-up before without, ratios descending (PowerSGD between)
+        ds, m, ratio, wu = kv[0]
+        return (ds, m != "dense", not wu, -(ratio if ratio is not None else 0.005),
+                list(DEFAULT_METHODS).index(m) if m in DEFAULT_METHODS else 99, m)
+
+    for (ds, m, ratio, wu), runs in sorted(groups.items(), key=order):
+        runs = sorted(runs, key=lambda x: x["seed"])
+        key, target = metric_key(ds), targets.get(ds)
+        t_m, note = step_time(args, steps_table, ds, m, ratio)
+        t_d, _ = step_time(args, steps_table, ds, "dense", None)
+        settings = {json.dumps(x.get("settings"), sort_keys=True) for x in runs}
+        per_run = []
+        for x in runs:
+            f = x["final"]
+            sts = next((p["step"] for p in x["points"] if target is not None and reached(ds, p.get(key), target)), None)
+            wall = next((p["wall_time"] for p in x["points"] if target is not None and reached(ds, p.get(key), target)),
+                        None)
+            loss = f.get("test_loss")
+            acc = f.get("test_accuracy")
+            diverged = (loss is None or not math.isfinite(loss)) or (ds != "shakespeare" and acc is not None
+                                                                    and acc < args.diverge_accuracy)
+            per_run.append({"seed": x["seed"], "final": f.get(key), "test_loss": loss,
+                            "bytes_vs_dense": f["bytes_sent"] / f["bytes_dense"] if f.get("bytes_dense") else None,
+                            "bytes_sent": f.get("bytes_sent"), "density": f.get("density"), "steps": f.get("step"),
+                            "wall_time": f.get("wall_time"), "steps_to_target": sts, "wall_to_target": wall,
+                            "modelled_to_target": modelled_seconds(sts, x["dense_rounds"], t_m, t_d),
+                            "modelled_total": modelled_seconds(f.get("step"), x["dense_rounds"], t_m, t_d),
+                            "diverged": diverged})
+        g = {"dataset": ds, "method": m, "ratio": ratio, "warmup": wu, "label": group_label(m, ratio, wu),
+             "metric": key, "target": target, "n": len(runs), "seeds": [x["seed"] for x in runs],
+             "settings_consistent": len(settings) == 1, "settings": runs[0].get("settings"),
+             "dense_rounds": runs[0]["dense_rounds"], "density_warmup": runs[0]["density_warmup"],
+             "step_time_s": t_m, "step_time_note": note, "step_time_dense_s": t_d, "runs": per_run,
+             "n_reached": sum(p["steps_to_target"] is not None for p in per_run),
+             "n_diverged": sum(p["diverged"] for p in per_run)}
+        for field in ("final", "bytes_vs_dense", "bytes_sent", "density", "steps", "wall_time", "steps_to_target",
+                      "wall_to_target", "modelled_to_target", "modelled_total"):
+            g[field + "_mean"], g[field + "_std"] = mean_std([p[field] for p in per_run])
+        # mean curve over the steps every seed has
+        common_steps = set.intersection(*[{p["step"] for p in x["points"] if p.get(key) is not None} for x in runs])
+        curve = []
+        for s in sorted(common_steps):
+            vals = [next(p for p in x["points"] if p["step"] == s) for x in runs]
+            mv, sv = mean_std([v.get(key) for v in vals])
+            bm, _ = mean_std([v.get("bytes_sent") for v in vals])
+            curve.append({"step": s, "epoch": s / runs[0]["steps_per_epoch"], "mean": mv, "std": sv,
+                          "bytes_sent": bm, "modelled_s": modelled_seconds(s, runs[0]["dense_rounds"], t_m, t_d)})
+        g["curve"] = curve
+        out.append(g)
+    dense_groups = {g["dataset"]: g for g in out if g["method"] == "dense"}
+    for g in out:
+        d = dense_groups.get(g["dataset"])
+        g["delta_vs_dense"] = None
+        if d and g["final_mean"] is not None and d["final_mean"] is not None:
+            g["delta_vs_dense"] = (100 * (g["final_mean"] - d["final_mean"]) if g["metric"] == "test_accuracy"
+                                   else g["final_mean"] / d["final_mean"])
+    return out, {"targets": targets, "step_times": steps_table}
+
+
+def find(groups, ds, method, ratio, warmup):
+    for g in groups:
+        if g["dataset"] == ds and g["method"] == method and g["ratio"] == ratio and (g["warmup"] == warmup or method == "dense"):
+            return g
+    return None
+
+
+def verdicts(args, groups: List[dict]) -> List[dict]:
+    out = []
+
+    def add(target, holds, detail):
+        out.append({"target": target, "holds": holds, "detail": detail})
+
+    fm = "fashion-mnist"
+    d, a, t = find(groups, fm, "dense", None, False), find(groups, fm, "adtopk", 0.01, True), find(groups, fm, "topk", 0.01, True)
+    ep = lambda g: (g["settings"] or {}).get("epochs")  # noqa: E731
+    if d and a:
+        diff = 100 * (a["final_mean"] - d["final_mean"])
+        add(f"Fashion-MNIST 0.01 +wu: ADTopk within 0.5 pt of dense (mean of {a['n']} seeds, {ep(a)} epoch(s))",
+            diff >= -0.5, f"ADTopk {100 * a['final_mean']:.2f} ± {100 * (a['final_std'] or 0):.2f} % vs dense "
+                          f"{100 * d['final_mean']:.2f} ± {100 * (d['final_std'] or 0):.2f} % ({diff:+.2f} pt)")
+    else:
+        add("Fashion-MNIST 0.01 +wu: ADTopk within 0.5 pt of dense", None, "n/a (runs missing)")
+    if a and t:
+        sd = max(a["final_std"] or 0.0, t["final_std"] or 0.0)
+        diff = 100 * (a["final_mean"] - t["final_mean"])
+        add("Fashion-MNIST 0.01 +wu: ADTopk not worse than Top-k by more than one std (the larger of the two)",
+            diff >= -100 * sd, f"ADTopk {100 * a['final_mean']:.2f} vs Top-k {100 * t['final_mean']:.2f} % "
+                               f"({diff:+.2f} pt; one std = {100 * sd:.2f} pt)")
+    else:
+        add("Fashion-MNIST 0.01 +wu: ADTopk not worse than Top-k by more than one std", None, "n/a (runs missing)")
+    sd_, sa = find(groups, "shakespeare", "dense", None, False), find(groups, "shakespeare", "adtopk", 0.01, True)
+    if sd_ and sa:
+        ratio = sa["final_mean"] / sd_["final_mean"]
+        add(f"Shakespeare 0.01 +wu: ADTopk perplexity within 5% of dense ({sa['n']} seed(s), "
+            f"{sa['runs'][0]['steps']} steps)", ratio <= 1.05,
+            f"ADTopk {sa['final_mean']:.3f} vs dense {sd_['final_mean']:.3f} (x{ratio:.3f})")
+    else:
+        add("Shakespeare 0.01 +wu: ADTopk perplexity within 5% of dense", None, "n/a (runs missing)")
+    for ds in dict.fromkeys(g["dataset"] for g in groups):
+        at3 = [g for g in groups if g["dataset"] == ds and g["ratio"] == 0.001 and g["warmup"]]
+        if not at3:
+            add(f"{ds} 0.001 +wu: no method diverges, ADTopk >= Top-k", None, "n/a (runs missing)")
             continue
-        rc, output, _ = run_command([sys.executable, str(PLOT), *files, "--out", str(out)], timeout=300)
-        pngs = [l.strip() for l in output.splitlines() if l.strip().endswith(".png")]
-        plots[ds] = pngs
-        if rc != 0:
-            print(f"warning: examples/plot.py failed for {ds} (rc {rc}): {output.strip()[-500:]}", file=sys.stderr)
-    return plots
+        div = [f"{g['label']} ({g['n_diverged']}/{g['n']})" for g in at3 if g["n_diverged"]]
+        add(f"{ds} 0.001 +wu: no method diverges ({', '.join(g['method'] for g in at3)})", not div,
+            "diverged: " + ", ".join(div) if div else
+            "none diverged; finals " + ", ".join(f"{g['method']} {fmt_metric(g, g['final_mean'])}" for g in at3))
+        a3, t3 = find(groups, ds, "adtopk", 0.001, True), find(groups, ds, "topk", 0.001, True)
+        if a3 and t3:
+            better = a3["final_mean"] >= t3["final_mean"] if a3["metric"] == "test_accuracy" else \
+                a3["final_mean"] <= t3["final_mean"]
+            add(f"{ds} 0.001 +wu: ADTopk >= Top-k (mean of {a3['n']} / {t3['n']} seeds)", better,
+                f"ADTopk {fmt_metric(a3, a3['final_mean'], a3['final_std'])} vs Top-k "
+                f"{fmt_metric(t3, t3['final_mean'], t3['final_std'])}")
+    div_all = [f"{g['label']} seed {p['seed']}" for g in groups for p in g["runs"] if p["diverged"]]
+    add("(information) runs that diverged anywhere in the grid", None if not div_all else False,
+        ", ".join(div_all) if div_all else "none")
+    cands = [g for g in groups if g["dataset"] == fm and (g["method"] == "dense" or
+                                                          (g["warmup"] and g["ratio"] in (0.01, None)))]
+    timed = [g for g in cands if g["modelled_to_target_mean"] is not None]
+    if a and timed:
+        order = sorted(timed, key=lambda g: g["modelled_to_target_mean"])
+        first = order[0]
+        missing = [g["label"] for g in cands if g["modelled_to_target_mean"] is None]
+        add(f"Fashion-MNIST, {args.step_rate} link: ADTopk (0.01 +wu) reaches {100 * args.target_accuracy:.0f}% first "
+            "among dense and the 0.01 +wu methods (PowerSGD included)", first is a,
+            "order by mean modelled seconds: " + ", ".join(
+                f"{g['label']} {g['modelled_to_target_mean']:.1f} s ({g['n_reached']}/{g['n']})" for g in order)
+            + (f"; never reached / no step time: {', '.join(missing)}" if missing else ""))
+    else:
+        add(f"Fashion-MNIST, {args.step_rate} link: ADTopk reaches the target first", None,
+            "n/a (runs or step times missing)")
+    return out
+
+
+def fmt_metric(g: dict, v: Optional[float], sd: Optional[float] = None) -> str:
+    if v is None:
+        return "n/a"
+    if g["metric"] == "test_accuracy":
+        return f"{100 * v:.2f}" + ("" if sd is None else f" ± {100 * sd:.2f}") + " %"
+    return f"{v:.3f}" + ("" if sd is None else f" ± {sd:.3f}") + " ppl"
+
+
+def pm(m: Optional[float], s: Optional[float], spec: str, scale: float = 1.0) -> str:
+    if m is None:
+        return "n/a"
+    return format(scale * m, spec) + ("" if s is None else " ± " + format(scale * s, spec))
+
+
+def markdown_table(args, groups: List[dict]) -> str:
+    lines = []
+    for ds in dict.fromkeys(g["dataset"] for g in groups):
+        gs = [g for g in groups if g["dataset"] == ds]
+        acc = gs[0]["metric"] == "test_accuracy"
+        tname = (f"{100 * args.target_accuracy:.0f}%" if acc else
+                 f"ppl <= {1 + args.ppl_tolerance:g} x dense")
+        lines += [f"**{ds}** ({'test accuracy' if acc else 'test perplexity'}; mean ± sample std over seeds; "
+                  f"target {tname}; modelled time = steps x bench_step.py step time on the {args.step_rate} link)", "",
+                  f"| method | seeds | final {'accuracy %' if acc else 'perplexity'} | vs dense | bytes / dense | "
+                  f"density | steps to {tname} (reached) | modelled s to target | step ms ({args.step_rate}) | "
+                  "measured wall s (this CPU) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for g in gs:
+            delta = "(base)" if g["method"] == "dense" else (
+                "n/a" if g["delta_vs_dense"] is None else
+                (f"{g['delta_vs_dense']:+.2f} pt" if acc else f"x{g['delta_vs_dense']:.3f}"))
+            st = "n/a" if g["step_time_s"] is None else f"{1e3 * g['step_time_s']:.1f}" + (
+                "*" if g["step_time_note"] else "")
+            lines.append(
+                f"| {g['label']} | {g['n']} | {pm(g['final_mean'], g['final_std'], '.2f', 100 if acc else 1)} | "
+                f"{delta} | {pm(g['bytes_vs_dense_mean'], g['bytes_vs_dense_std'], '.4f')} | "
+                f"{pm(g['density_mean'], g['density_std'], '.4f')} | "
+                f"{pm(g['steps_to_target_mean'], g['steps_to_target_std'], '.0f')} ({g['n_reached']}/{g['n']}) | "
+                f"{pm(g['modelled_to_target_mean'], g['modelled_to_target_std'], '.1f')} | {st} | "
+                f"{pm(g['wall_time_mean'], g['wall_time_std'], '.1f')} |")
+        notes = sorted({g["step_time_note"] for g in gs if g["step_time_note"]})
+        if notes:
+            lines.append("")
+            lines.append("\\* " + "; ".join(notes))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def make_plots(args, groups: List[dict], plot_dir: Path) -> List[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for ds in dict.fromkeys(g["dataset"] for g in groups):
+        gs = [g for g in groups if g["dataset"] == ds]
+        settings = sorted({(g["ratio"], g["warmup"]) for g in gs if g["ratio"] is not None},
+                          key=lambda s: (-s[0], not s[1]))
+        if not settings:
+            settings = sorted({(None, g["warmup"]) for g in gs}, key=lambda s: not s[1])
+        for ratio, wu in settings:
+            sel = [g for g in gs if g["method"] == "dense" or
+                   ((g["ratio"] == ratio or g["ratio"] is None) and g["warmup"] == wu)]
+            if len(sel) < 2 and ratio is not None:
+                continue
+            fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+            for g in sel:
+                c = [p for p in g["curve"] if p["mean"] is not None]
+                if not c:
+                    continue
+                y = [p["mean"] * (100 if g["metric"] == "test_accuracy" else 1) for p in c]
+                s = [(p["std"] or 0.0) * (100 if g["metric"] == "test_accuracy" else 1) for p in c]
+                xs = [("epoch", [p["epoch"] for p in c]), ("bytes", [p["bytes_sent"] / 1e6 for p in c]),
+                      ("time", [p["modelled_s"] for p in c])]
+                style = "--" if g["method"] == "dense" else ("-." if is_powersgd(g["method"]) else "-")
+                for ax, (name, x) in zip(axes, xs):
+                    if any(v is None for v in x):
+                        continue
+                    line, = ax.plot(x, y, style, marker=".", label=f"{g['label']} (n={g['n']})")
+                    ax.fill_between(x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)],
+                                    color=line.get_color(), alpha=0.15)
+            ylabel = "test accuracy (%)" if gs[0]["metric"] == "test_accuracy" else "test perplexity"
+            for ax, xl in zip(axes, ("epochs", "bytes sent, all ranks (MB, log)",
+                                     f"modelled wall time on {args.step_rate} (s)")):
+                ax.set_xlabel(xl)
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+                if gs[0]["metric"] == "test_accuracy":
+                    ax.axhline(100 * args.target_accuracy, color="grey", lw=0.8, ls=":")
+                    lo = min((p["mean"] for g in sel for p in g["curve"] if p["mean"] is not None), default=0.5)
+                    ax.set_ylim(max(100 * lo - 2, 40.0), None)
+                else:
+                    ax.set_yscale("log")
+            axes[1].set_xscale("log")
+            axes[0].legend(fontsize=7)
+            title = f"{ds}: " + ("" if ratio is None else f"ratio {ratio:g}, ") + \
+                ("with warm-up" if wu else "no warm-up") + " — mean over seeds, band ±1 std"
+            fig.suptitle(title)
+            fig.tight_layout()
+            path = plot_dir / (f"{ds}" + ("" if ratio is None else f"_r{ratio:g}") + ("_wu" if wu else "_nowu") + ".png")
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            files.append(str(path))
+    return files
+
+
+def report(args, start) -> None:
+    records = load_records(args.out_dir)
+    if not records:
+        print("no finished runs in", args.out_dir)
+        return
+    groups, extra = analyse(args, records)
+    text = markdown_table(args, groups)
+    checks = verdicts(args, groups)
+    vtext = "\n".join(f"- [{'INFO' if c['target'].startswith('(information)') else 'n/a' if c['holds'] is None else ('MET' if c['holds'] else 'MISSED')}] {c['target']}: "
+                      f"{c['detail']}" for c in checks)
+    print()
+    print(text)
+    print("Targets (reported, not asserted):")
+    print(vtext)
+    inconsistent = [g["label"] for g in groups if not g["settings_consistent"]]
+    if inconsistent:
+        print("warning: runs with different settings grouped together: " + ", ".join(inconsistent), file=sys.stderr)
+    bad = [r["name"] for r in records if (r.get("eval_check_abs_diff") or 0) > 1e-3]
+    if bad:
+        print("warning: checkpoint scoring disagrees with train.py's own test loss: " + ", ".join(bad), file=sys.stderr)
+    plot_dir = (args.plot_dir or args.out_dir).resolve()
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plots = [] if args.no_plots else make_plots(args, groups, plot_dir)
+    for p_ in plots:
+        print("plot:", p_)
+    info = common.machine_info()
+    summary = {"benchmark": "convergence", "machine": info, "analysed_seconds": time.time() - start,
+               "analysis_settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                     if k in ("target_accuracy", "ppl_tolerance", "diverge_accuracy", "step_rate",
+                                              "step_np", "step_model")},
+               "step_times_files": None if args.step_times is None else [Path(p).name for p in str(args.step_times).split(",")],
+               "targets_by_dataset": extra["targets"],
+               "groups": groups, "verdicts": checks, "plots": [Path(p_).name for p_ in plots],
+               "runs": [{k: r.get(k) for k in ("name", "command", "status", "launch_seconds", "eval_seconds",
+                                                "eval_check_abs_diff", "eval_error")} for r in records]}
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    (args.out_dir / "table.md").write_text(text + "\nTargets (reported, not asserted):\n\n" + vtext + "\n")
+    if args.plot_dir:
+        (plot_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        (plot_dir / "table.md").write_text(text + "\nTargets (reported, not asserted):\n\n" + vtext + "\n")
+    print(f"wrote {args.out_dir / 'summary.json'} and table.md")
 
 
 def main(argv=None) -> int:
@@ -547,67 +922,24 @@ def main(argv=None) -> int:
     start = time.time()
     args.out_dir = args.out_dir.resolve()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    info = common.machine_info()
-    info["loadavg_start"] = info.pop("loadavg")
-
-    grid = [(ds, m, ratio) for ds in args.datasets for m in args.methods
-            for ratio in ([None] if m in ("none", "fp16") else args.ratios)]
-    argvs = [train_argv_for(args, *g) for g in grid]
-    plans = [plan_run(args, *g, argv, resolved) for g, argv, resolved in zip(grid, argvs, resolve_train_args(argvs))]
-    print(f"bench_convergence: {len(plans)} runs, {args.np} ranks, seed {args.seed}, eval points {args.eval_points}, "
-          f"timeout {args.run_timeout:.0f} s each; {info['logical_cpus']} CPU(s) ({info['cpu_model']}), "
-          f"torch {info['torch']}; out {args.out_dir}", flush=True)
-
-    rows = []
-    for i, plan in enumerate(plans, 1):
-        label = plan["method"] + ("" if plan["ratio"] is None else f" r={plan['ratio']:g}")
-        print(f"[{i}/{len(plans)}] {plan['dataset']} {label}: {plan['total_steps']} steps ...", end=" ", flush=True)
-        row = execute_run(args, plan)
-        f = row["final"] or {}
-        key = metric_key(plan["dataset"])
-        print(f"{row['status']}{' (reused)' if row.get('reused') else ''}, {row['launch_seconds']:.1f} s, "
-              f"{key} {fmt(f.get(key), '.4f')}", flush=True)
-        if row["status"] != "ok" and row.get("log_tail"):
-            print("    " + row["log_tail"].replace("\n", "\n    "), flush=True)
-        rows.append(row)
-
-    analyse(rows, args)
-    text = table(rows)
-    rules = (f"time-to-target: first wall_time with accuracy >= {args.tta_frac:g} x dense's final accuracy, or "
-             f"perplexity <= {args.tta_ppl_factor:g} x dense's final perplexity (n/a: never reached); evaluated only "
-             f"at the 'pts' points per run, so coarse. 'vs dense': accuracy points, or perplexity ratio. "
-             f"bytes/dense: bytes sent / bytes a dense fp32 allreduce would send.")
-    print()
-    print(text)
-    print(rules)
-    checks = targets(rows)
-    print("\nTargets (single seed; reported, not asserted):")
-    for c in checks:
-        state = "n/a " if c["holds"] is None else ("HOLDS" if c["holds"] else "FAILS")
-        print(f"  [{state}] {c['dataset']}: {c['target']} ({c['unit']}): {c['detail']}")
-    bad = [r for r in rows if r.get("eval_check_abs_diff") is not None and r["eval_check_abs_diff"] > 1e-3]
-    if bad:
-        print("warning: checkpoint evaluation disagrees with train.py's own test loss for "
-              + ", ".join(f"{r['name']} ({r['eval_check_abs_diff']:.2g})" for r in bad), file=sys.stderr)
-
-    plots = {} if args.no_plots else make_plots(rows, args.out_dir)
-    for ds, pngs in plots.items():
-        print(f"plots {ds}: " + ", ".join(pngs))
-
-    info["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    summary = {
-        "benchmark": "convergence", "machine": info, "total_seconds": time.time() - start,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "rules": {"time_to_target": rules, "targets": "percentage points of test accuracy (fashion-mnist) or test "
-                  "character accuracy (shakespeare); 'within 0.5 points of dense' means not more than 0.5 below"},
-        "note": "train.py has no per-N-steps evaluation flag; intermediate points come from checkpoints scored "
-                "offline (wall time and byte counters as stored in the checkpoint).",
-        "rows": rows, "targets": checks, "plots": plots,
-    }
-    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    (args.out_dir / "table.txt").write_text(text + "\n" + rules + "\n")
-    print(f"wrote {args.out_dir / 'summary.json'} ({time.time() - start:.0f} s in all)")
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+    ok = True
+    if not args.analyse_only:
+        plans = plan_runs(args)
+        print(f"bench_convergence: {len(plans)} runs, {args.np} ranks, seeds {args.seeds}, warm-up {args.warmup}, "
+              f"eval points {args.eval_points}; out {args.out_dir}", flush=True)
+        for i, plan in enumerate(plans, 1):
+            print(f"[{i}/{len(plans)}] {plan['name']}: {plan['total_steps']} steps ...", end=" ", flush=True)
+            row = execute_run(args, plan)
+            f = row["final"] or {}
+            key = metric_key(plan["dataset"])
+            v = f.get(key)
+            print(f"{row['status']}{' (reused)' if row.get('reused') else ''}, {row['launch_seconds']:.1f} s, "
+                  f"{key} {'n/a' if v is None else format(v, '.4f')}", flush=True)
+            if row["status"] != "ok" and row.get("log_tail"):
+                print("    " + row["log_tail"].replace("\n", "\n    "), flush=True)
+            ok = ok and row["status"] == "ok"
+    report(args, start)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ PARENT_NS = "BENCH_STEP_PARENT_NETNS"
 ALL_RATES = ["uncapped", "10gbit", "1gbit", "100mbit"]
 DEFAULT_COMPRESSORS = ["adtopk", "topk", "dgc", "randomk", "adtopk_i"]
 DEFAULT_MODES = ["compute", "hvd-dense", "hvd-fp16", "ours", "ddp-powersgd"]
-BATCH = {"mlp": 32, "resnet18": 32, "lstm": 16}
+BATCH = {"mlp": 32, "resnet18": 32, "lstm": 16, "cnn": 64}
 SEQ_LEN = 64
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
 UNITS = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=csv, default=None, help=f"link rates (default {','.join(ALL_RATES)})")
     ap.add_argument("--np", type=lambda s: [int(x) for x in csv(s)], default=None, help="world sizes (default 2,4)")
-    ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm (default all)")
+    ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28)")
     ap.add_argument("--modes", type=csv, default=None,
                     help="compute,hvd-dense,hvd-fp16,ddp-powersgd and compressor names; 'ours' expands to "
                          f"--compressors (default {','.join(DEFAULT_MODES)})")
@@ -142,6 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     from horovod_adtopk.compressors import _REGISTRY  # light import check of the names
     for m in a.modes:
         base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
+        if re.fullmatch(r"powersgd\d+", base_name):  # our PowerSGD at rank R (powersgd4)
+            continue
         if m not in known_dense and base_name.replace("-", "_") not in _REGISTRY:
             ap.error(f"unknown mode {m!r}; modes: {', '.join(sorted(known_dense))} or a compressor "
                      f"({', '.join(sorted(_REGISTRY))})")
@@ -150,6 +152,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.no_netns and a.rates != ["uncapped"]:
         ap.error("--no-netns can only run --rates uncapped (capping the host loopback is not allowed)")
     return a
+
+
+def git_commit() -> Optional[str]:
+    """The repository's HEAD commit (plus "-dirty" when tracked files differ), or None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=30).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return None if head is None else head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 # --- network namespace and tc ---------------------------------------------------------------------------------
@@ -446,6 +460,7 @@ def main() -> int:
     report = {
         "benchmark": "step time (forward+backward+optimizer step), median over steps of max over ranks",
         "machine": common.machine_info(),
+        "git_commit": git_commit(),
         "config": {"rates": args.rates, "np": args.np, "models": args.models, "modes": args.modes,
                    "steps": args.steps, "warmup": args.warmup, "min_steps": args.min_steps,
                    "mode_budget_s": args.mode_budget, "ratio": args.ratio, "powersgd_rank": args.powersgd_rank,
