@@ -192,8 +192,7 @@ def aggregate(s: Selection, gathered: torch.Tensor, counts: Sequence[int], numel
         dense.zero_()
         dense[s.codec.flat] = gathered.to(dtype)
         return dense
-    aggregate_blocks(dense, gathered, counts, s.codec, vdt)
-    return dense.mul_(1.0 / len(counts))
+    return aggregate_blocks(dense, gathered, counts, s.codec, vdt, 1.0 / len(counts))
 
 
 def check_aggregate(s: Selection, dense: torch.Tensor, vdt: torch.dtype) -> bool:

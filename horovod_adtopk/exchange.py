@@ -30,8 +30,10 @@ UPCAST = {torch.bfloat16: torch.float32}
 
 
 def aggregate_blocks(dense: torch.Tensor, gathered: torch.Tensor, counts: Sequence[int], codec,
-                     value_dtype: torch.dtype) -> torch.Tensor:
-    """Sum every rank's block of an allgathered sparse payload into ``dense`` (1-D, overwritten).
+                     value_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Sum every rank's block of an allgathered sparse payload, times ``scale``, into ``dense`` (1-D,
+    overwritten). The scale (the average's ``1 / size``) is applied to the gathered values, not to the
+    dense result: a pass over the payload instead of two over the gradient.
 
     Rank by rank, so every rank computes bitwise the same sum: on the CPU ``index_add_`` is sequential in
     rank order; on CUDA (atomics) one launch per rank, where indices are unique within a rank's block.
@@ -39,6 +41,8 @@ def aggregate_blocks(dense: torch.Tensor, gathered: torch.Tensor, counts: Sequen
     dense.zero_()
     values, index = unpack(gathered, counts, value_dtype, codec.index_dtype)
     values = values.to(dense.dtype)
+    if scale != 1.0:
+        values = values * scale
     flat = codec.to_flat(index)
     if dense.device.type == "cpu":
         dense.index_add_(0, flat, values)
@@ -118,8 +122,7 @@ class SparseExchange(Exchange):
         # The local gradient was consumed when the payload was built, so its storage takes the aggregate.
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
-        aggregate_blocks(dense, gathered, counts, self.codec, self.wire_dtype)
-        self.sender.average(dense)
+        aggregate_blocks(dense, gathered, counts, self.codec, self.wire_dtype, self.sender.average_scale())
         _store(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
@@ -164,9 +167,9 @@ class SparseSender:
         if self.profile is not None:
             self.profile.record(name, which, seconds)
 
-    def average(self, dense: torch.Tensor) -> None:
-        if self.op_is_average:
-            dense.mul_(self.postscale / self.comm.size())
+    def average_scale(self) -> float:
+        """What the summed payloads are multiplied by: ``predivide / size`` for Average, 1 for Sum."""
+        return self.postscale / self.comm.size() if self.op_is_average else 1.0
 
     def send(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int) -> Exchange:
         c = self.compression
