@@ -157,6 +157,16 @@ if triton is not None:
         return b
 
     @triton.jit
+    def _tile(fib, fmask, jj, L, cols, AXIS: tl.constexpr):
+        """Offsets and mask of the ``[FB, BLOCK]`` tile of positions ``jj`` of fibers ``fib``: along a row
+        (``AXIS == 1``, contiguous) or down a column (strided by ``cols``)."""
+        if AXIS == 1:
+            off = fib[:, None] * cols + jj[None, :]
+        else:
+            off = fib[:, None] + jj[None, :].to(tl.int64) * cols
+        return off, fmask[:, None] & (jj < L)[None, :]
+
+    @triton.jit
     def _candidates(prefix, shift, R: tl.constexpr):
         """``[FB, R]`` candidates ``prefix + d << shift`` and whether each is valid (did not overflow)."""
         d = tl.arange(0, R).to(prefix.dtype)
@@ -193,12 +203,7 @@ if triton is not None:
 
         if ONE_PASS:
             # The whole fiber fits in one tile: read it once, keep it in registers.
-            jm = j < L
-            if AXIS == 1:
-                off = fib[:, None] * cols + j[None, :]
-            else:
-                off = fib[:, None] + j[None, :].to(tl.int64) * cols
-            m = fmask[:, None] & jm[None, :]
+            off, m = _tile(fib, fmask, j, L, cols, AXIS)
             x = tl.load(a_ptr + off, mask=m, other=0.0)
             if HAS_GRAD:
                 x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
@@ -224,11 +229,7 @@ if triton is not None:
             if HAS_GRAD:
                 for c in range(0, L, BLOCK):
                     jj = c + j
-                    if AXIS == 1:
-                        off = fib[:, None] * cols + jj[None, :]
-                    else:
-                        off = fib[:, None] + jj[None, :].to(tl.int64) * cols
-                    m = fmask[:, None] & (jj < L)[None, :]
+                    off, m = _tile(fib, fmask, jj, L, cols, AXIS)
                     x = _add(tl.load(a_ptr + off, mask=m, other=0.0), tl.load(g_ptr + off, mask=m, other=0.0))
                     tl.store(a_ptr + off, x, mask=m)
                 tl.debug_barrier()
@@ -238,11 +239,7 @@ if triton is not None:
                 cnt = tl.zeros([FB, R], dtype=tl.int32)
                 for c in range(0, L, BLOCK):
                     jj = c + j
-                    if AXIS == 1:
-                        off = fib[:, None] * cols + jj[None, :]
-                    else:
-                        off = fib[:, None] + jj[None, :].to(tl.int64) * cols
-                    m = fmask[:, None] & (jj < L)[None, :]
+                    off, m = _tile(fib, fmask, jj, L, cols, AXIS)
                     x = tl.load(a_ptr + off, mask=m, other=0.0)
                     key = tl.where(m, _keys(x, KW, INF), -1)
                     cnt += tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
@@ -252,11 +249,7 @@ if triton is not None:
             out_seen = tl.zeros([FB], dtype=tl.int32)
             for c in range(0, L, BLOCK):
                 jj = c + j
-                if AXIS == 1:
-                    off = fib[:, None] * cols + jj[None, :]
-                else:
-                    off = fib[:, None] + jj[None, :].to(tl.int64) * cols
-                m = fmask[:, None] & (jj < L)[None, :]
+                off, m = _tile(fib, fmask, jj, L, cols, AXIS)
                 x = tl.load(a_ptr + off, mask=m, other=0.0)
                 key = tl.where(m, _keys(x, KW, INF), -1)
                 eq = key == prefix[:, None]
