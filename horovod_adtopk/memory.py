@@ -54,17 +54,21 @@ class ErrorFeedback:
         self.residuals: Dict[str, torch.Tensor] = {}
         self.velocities: Dict[str, torch.Tensor] = {}
 
+    def _accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """With momentum correction, the velocity ``u = m u + g`` (the memory tensor itself); else ``g``."""
+        if self.momentum is None:
+            return grad
+        u = self.velocities.get(name)
+        if u is None:
+            u = self.velocities[name] = _fresh(grad)
+        else:
+            u.mul_(self.momentum).add_(grad)
+        return u
+
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """Return ``a = g + r`` (or the DGC accumulated velocity). The result IS the memory tensor: the
         caller must call :meth:`update` before the next compensate of ``name``."""
-        g = grad.detach()
-        if self.momentum is not None:
-            u = self.velocities.get(name)
-            if u is None:
-                u = self.velocities[name] = _fresh(g)
-            else:
-                u.mul_(self.momentum).add_(g)
-            g = u
+        g = self._accumulate(name, grad.detach())
         r = self.residuals.get(name)
         if r is None:
             r = self.residuals[name] = _fresh(g)
@@ -95,14 +99,7 @@ class ErrorFeedback:
         partial sparsification): ``g + r``, the residual released. With momentum correction the velocity
         ``u = m u + g`` is kept and sent instead of ``g`` (plain SGD momentum: the wrapped optimizer runs
         without momentum for these tensors)."""
-        out = grad
-        if self.momentum is not None:
-            u = self.velocities.get(name)
-            if u is None:
-                u = self.velocities[name] = _fresh(grad)
-            else:
-                u.mul_(self.momentum).add_(grad)
-            out = u
+        out = self._accumulate(name, grad)
         r = self.residuals.pop(name, None)
         return out.clone() if r is None else out + r
 

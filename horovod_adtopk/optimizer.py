@@ -79,7 +79,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plan_paths()
         self._groups = _make_groups(groups, self._parameter_names, self._infos, self._sparse_path)
         self._group_ready = {g: 0 for g in set(self._groups.values())}
-        self._description = self._describe(groups)
+        self._groups_given = groups is not None
+        self._description = self._describe()
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = set()
@@ -109,13 +110,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sender is not None:
             self._sender.profile = self._partial if self._partial is not None and self._partial.profiling else None
 
-    def _describe(self, groups) -> dict:
+    def _describe(self) -> dict:
         """Everything that decides which collectives run (checked across ranks before the first one)."""
         names = self._parameter_names
         return {"compression": _describe_compression(self._compression), "op": str(self.op),
                 "backward_passes_per_step": self.backward_passes_per_step,
                 "gradient_predivide_factor": self.gradient_predivide_factor,
-                "groups": sorted([names[p] for p in g] for g in set(self._groups.values())) if groups else groups,
+                "groups": (sorted([names[p] for p in g] for g in set(self._groups.values()))
+                           if self._groups_given else None),
                 "sparse_as_dense": self.sparse_as_dense,
                 "partial_sparsification": self._partial is not None,
                 "profile_rounds": self._partial.profile_rounds if self._partial is not None else None,
@@ -375,7 +377,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._config_checked = False
         self._plan_paths()
-        self._description = self._describe(self._description["groups"])
+        self._description = self._describe()  # the process set's size may have changed
 
     def stats(self) -> dict:
         """Cumulative counters of this rank (see :mod:`horovod_adtopk.stats`)."""
