@@ -69,7 +69,9 @@ TORCH_VER=$("$PY" -c "import torch; print(torch.__version__)")
 HAS_CUDA=$("$PY" -c "import torch; print(int(torch.version.cuda is not None))")
 PY_TAG=$("$PY" -c "import sys; print(f'cp{sys.version_info[0]}{sys.version_info[1]}')")
 GPU_TAG=cpu; [ "$HAS_CUDA" = 1 ] && GPU_TAG=nccl
-KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER//+/_}_${PY_TAG}_${GPU_TAG}"
+# The key carries a hash of our patch, so a changed patch (e.g. the Gloo process-set fix) rebuilds once.
+PATCH_HASH=$(sha256sum "$ROOT/scripts/patch_horovod.sh" | cut -c1-8)
+KEY="horovod-${HOROVOD_VERSION}_torch-${TORCH_VER//+/_}_${PY_TAG}_${GPU_TAG}_patch-${PATCH_HASH}"
 WHEEL_DIR="$CACHE/$KEY"
 
 installed_hvd=$("$PY" -c "import horovod, horovod.torch; print(horovod.__version__)" 2>/dev/null || true)
