@@ -89,11 +89,10 @@ class Communicator:
         return out
 
 
-def host_layout() -> Tuple[int, int, int, int, bool]:
-    """This rank's place among the hosts: ``(cross_rank, local_rank, local_size, cross_size, homogeneous)``
-    (Horovod's numbering: ``cross_rank`` is the host's index when every host runs the same number of ranks)."""
-    from horovod.torch.mpi_ops import _basics
-    return hvd.cross_rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_size(), bool(_basics.is_homogeneous())
+def host_layout() -> Tuple[int, int, int, int]:
+    """This rank's place among the hosts: ``(cross_rank, local_rank, local_size, cross_size)`` (Horovod's
+    numbering: ``cross_rank`` is the host's index when every host runs the same number of ranks)."""
+    return hvd.cross_rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_size()
 
 
 def dynamic_process_sets() -> bool:

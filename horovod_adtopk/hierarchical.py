@@ -132,22 +132,25 @@ class Topology:
 
 
 def discover(comm: Communicator) -> Tuple[Optional[Topology], str]:
-    """This job's :class:`Topology` (creating the process sets; collective), or None and why not."""
+    """This job's :class:`Topology` (creating the process sets; collective), or None and why not. Decided
+    from every rank's place (one allgather), so all ranks reach the same answer."""
     if not comm.is_global():
         return None, "process_set is not the global process set"
-    host, local_rank, local_size, hosts, homogeneous = host_layout()
+    host, local_rank, local_size, _ = host_layout()
+    places = comm.allgather(torch.tensor([[host, local_rank, local_size]], dtype=torch.int64),
+                            "hat.hier.layout").tolist()
+    sizes = sorted({s for _, _, s in places})
+    hosts = sum(1 for _, j, _ in places if j == 0)
     if hosts <= 1:
         return None, "one host"
+    if len(sizes) > 1:
+        return None, f"hosts run different numbers of ranks {sizes} (uneven layout)"
     if local_size <= 1:
         return None, "one rank per host"
-    if not homogeneous:
-        return None, "hosts run different numbers of ranks (uneven layout)"
-    # Every rank's (host, local rank), so that all ranks build the same sets in the same order.
-    places = comm.allgather(torch.tensor([[host, local_rank]], dtype=torch.int64), "hat.hier.layout").tolist()
-    by_host = [[r for r, (h, _) in enumerate(places) if h == i] for i in range(hosts)]
-    by_local = [[r for r, (_, j) in enumerate(places) if j == i] for i in range(local_size)]
+    by_host = [[r for r, (h, _, _) in enumerate(places) if h == i] for i in range(hosts)]
+    by_local = [[r for r, (_, j, _) in enumerate(places) if j == i] for i in range(local_size)]
     if any(len(g) != local_size for g in by_host) or any(len(g) != hosts for g in by_local):
-        return None, f"ranks' (host, local rank) places {places} are not a full {hosts} x {local_size} grid"
+        return None, f"ranks' (host, local rank) places are not a full {hosts} x {local_size} grid"
     sets = process_sets(by_host + by_local)
     return Topology(hosts, local_size, host, local_rank, sets[host], sets[hosts + local_rank]), "hierarchical"
 

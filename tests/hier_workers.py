@@ -64,20 +64,33 @@ def hier_cases(args, outdir):
     return {"layout": _layout(), "cases": summary}
 
 
+class TwoLayer(torch.nn.Module):
+    """Two weight matrices and two biases: few collectives per step, so 300 steps on 4 ranks stay short."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
 def _train(model, opt, steps, start=0):
     gen_base = 1000 * hvd.rank()
+    image = isinstance(model, SmallCNN)
     for step in range(start, steps):
         g = torch.Generator().manual_seed(gen_base + step)
-        x = torch.randn(16, 1, 28, 28, generator=g)
+        x = torch.randn(16, 1, 28, 28, generator=g) if image else torch.randn(16, 64, generator=g)
         y = torch.randint(0, 10, (16,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
 
-def _make(compressor: str, ratio: float, hierarchical):
+def _make(compressor: str, ratio: float, hierarchical, small: bool = False):
     torch.manual_seed(0)
-    model = SmallCNN()
+    model = TwoLayer() if small else SmallCNN()
     comp = hat.Compression.get(compressor, ratio=ratio, min_numel=0)
     opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=comp,
@@ -86,18 +99,18 @@ def _make(compressor: str, ratio: float, hierarchical):
 
 
 def hier_consistency(args, outdir):
-    """Train SmallCNN ``steps`` steps with hierarchical=True on rank-specific data: parameter digests (all
+    """Train a two-layer MLP ``steps`` steps with hierarchical=True on rank-specific data: parameter digests (all
     ranks must agree); a gather_state_dict checkpoint at ``resume_at`` is reloaded into a fresh model and
     optimizer, which must continue bitwise identically."""
     steps, resume_at = args["steps"], args["resume_at"]
-    model, opt = _make(args["compressor"], args["ratio"], True)
+    model, opt = _make(args["compressor"], args["ratio"], True, small=True)
     _train(model, opt, resume_at)
     ckpt = {"model": model.state_dict(), "opt": opt.gather_state_dict()}
     if hvd.rank() == 0:
         torch.save(ckpt, Path(args["checkpoint"]))
     _train(model, opt, steps, resume_at)
     final = params_digest(model)
-    model2, opt2 = _make(args["compressor"], args["ratio"], True)
+    model2, opt2 = _make(args["compressor"], args["ratio"], True, small=True)
     loaded = torch.load(Path(args["checkpoint"]), weights_only=True) if hvd.rank() == 0 else None
     loaded = hvd.broadcast_object(loaded, root_rank=0, name="hier.ckpt")
     model2.load_state_dict(loaded["model"])
@@ -115,7 +128,7 @@ def hier_consistency(args, outdir):
 def hier_fallback(args, outdir):
     """hierarchical=True on a layout where it cannot apply: trains flat, says why; optionally loads a
     checkpoint written on the 2 x 2 layout (its block memory must be dropped with a warning)."""
-    model, opt = _make("adtopk", 0.05, args.get("setting", True))
+    model, opt = _make("adtopk", 0.05, args.get("setting", True), small=True)
     caught = []
     if args.get("checkpoint"):
         loaded = torch.load(Path(args["checkpoint"]), weights_only=True)
