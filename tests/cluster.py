@@ -312,6 +312,7 @@ class Cluster:
         self.hosts: List[Host] = []
         self.subnet: Optional[int] = None
         self.daemons: Dict[str, Tuple[int, float]] = {}
+        self.left_behind: Dict[str, List[str]] = {}
 
     # --- names -------------------------------------------------------------------------------------------
     @property
@@ -513,13 +514,21 @@ class Cluster:
                 h.name, *map(str, cmd)]
 
     def run(self, host: Union[str, int, Host], cmd: Sequence[str], timeout: float,
-            env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Tuple[Optional[int], str, float]:
+            env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+            settle: float = 10.0) -> Tuple[Optional[int], str, float]:
         """Run ``cmd`` on ``host`` under a timeout (tests.harness.run_command: its process tree is killed at
-        the end); then kill what it left on any host. Returns ``(returncode or None on timeout, output, s)``."""
+        the end). Then waits up to ``settle`` s for the processes it started on any host to end, keeps what is
+        still there in ``self.left_behind`` ({host: [pid: cmdline]}) and kills it.
+        Returns ``(returncode or None on timeout, output, seconds)``."""
         from tests.harness import run_command
         try:
             return run_command(self.on_host(host, cmd), timeout=timeout, env=env, cwd=cwd)
         finally:
+            deadline = time.monotonic() + settle
+            self.left_behind = self.leftovers()
+            while self.left_behind and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self.left_behind = self.leftovers()
             self.reap()
 
     def popen(self, host: Union[str, int, Host], cmd: Sequence[str], **kw) -> subprocess.Popen:
