@@ -219,8 +219,8 @@ class HierarchicalExchange(Exchange):
 
     def advance(self) -> None:
         owner, plan = self.owner, self.plan
-        start = time.perf_counter()
         part = owner.topology.local.wait(self.handle)
+        start = time.perf_counter()  # compute only: the waits are communication
         if part.shape[0] != plan.stop - plan.start:
             raise RuntimeError(f"horovod_adtopk: {self.info.name}: the reduce-scatter gave {part.shape[0]} fibers to "
                                f"local rank {plan.local_rank}, expected {plan.stop - plan.start} (Horovod's split of "
@@ -235,12 +235,12 @@ class HierarchicalExchange(Exchange):
         if self.inner is None:
             self.advance()
         self.inner.finish()  # the block now holds its aggregate over the hosts (scaled)
-        start = time.perf_counter()
         plan, local = self.plan, self.owner.topology.local
         block = self.slot.grad
         major = block if plan.axis == 1 else block.t().contiguous()
         full = local.wait(local.allgather_async(major, f"hat.hier.ag.{self.info.name}"))
         self.owner.intra_bytes += major.numel() * major.element_size()
+        start = time.perf_counter()
         result = full.view(plan.rows, plan.cols) if plan.axis == 1 else full.t()
         grad = self.params[0].grad
         if grad.is_contiguous():

@@ -299,3 +299,29 @@ def test_without_process_sets_a_clear_error():
     results, _ = run_job("hier_workers:hier_no_process_sets", 4, TWO_BY_TWO, {}, None)
     for r in results:
         assert r["error"] is not None and "HOROVOD_DYNAMIC_PROCESS_SETS=1" in r["error"], r
+
+
+# --- single-process checks (no ranks) ------------------------------------------------------------------------------
+
+def test_bad_setting_is_refused():
+    import torch
+    import horovod_adtopk as hat
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="hierarchical must be False, True or \"auto\""):
+        hat.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)],
+                                 compression=hat.Compression.adtopk(ratio=0.1), hierarchical="yes")
+
+
+def test_split_matches_horovods_rule_and_the_model_prefers_the_right_kind():
+    from horovod_adtopk import hierarchical as hier
+    assert hier.split_fibers(33, 2) == [(0, 17), (17, 33)] == [tuple(b) for b in split(33, 2)]
+    assert hier.split_fibers(7, 4) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    dense, payload = 4 * 4096 * 4096, 4096 * 40 * 6  # a 4096 x 4096 fp32 layer at ADTopk 0.01
+    # 8 hosts x 8 GPUs, 100 Gbit/s between hosts and NVLink-class inside: hierarchical beats the flat allgather
+    fast = hier.LinkModel(5e-6, 150e9, 10e-6, 12.5e9)
+    assert hier.hierarchical_wins(dense, payload, True, 8, 8, fast)[0]
+    # 2 x 2 where the host's own links are barely faster than the network: the dense intra-host part loses
+    slow = hier.LinkModel(1e-4, 0.3e9, 5e-5, 0.125e9)
+    assert not hier.hierarchical_wins(dense, payload, True, 2, 2, slow)[0]
+    # against a dense allreduce (the flat hybrid rule gave up on sparse) it wins even then
+    assert hier.hierarchical_wins(dense, payload, False, 2, 2, slow)[0]
