@@ -41,3 +41,15 @@ def test_minimal_example_says_how_to_get_the_data(tmp_path):
                              env={"PYTHONPATH": ""}, cwd=str(tmp_path))
     assert rc == 1, f"exit {rc}\n{out[-4000:]}"
     assert "apt-get install dataset-fashion-mnist" in out and "Traceback" not in out
+
+
+def test_readme_shows_the_lines_of_the_script():
+    """The README's first Python block is an excerpt of examples/minimal.py: every line of it is in the script."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    script = (REPO / "examples" / "minimal.py").read_text()
+    code = {line.split("  #")[0].rstrip() for line in script.splitlines()}
+    shown = [line.split("  #")[0].rstrip() for line in block.splitlines() if line.strip()]
+    assert "hat.DistributedOptimizer(optimizer, named_parameters=model.named_parameters()," in block
+    missing = [line for line in shown if line not in code]
+    assert not missing, f"README lines not in examples/minimal.py: {missing}"
