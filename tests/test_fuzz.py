@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from horovod_adtopk import wire
 from horovod_adtopk.compressors import Compression, TensorInfo
+from tests import reference as ref
 
 
 FULL = "--full" in __import__("sys").argv
