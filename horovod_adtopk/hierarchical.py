@@ -30,6 +30,7 @@ tensor with fewer fibers than local ranks. ``hierarchical="auto"`` also asks :fu
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -228,8 +229,9 @@ class HierarchicalExchange(Exchange):
         block = part if plan.axis == 1 else part.t()
         block = block.to(self.info.dtype).contiguous()
         self.slot = _BlockSlot(block)
-        owner.sender.timed(self.info.name, 0, time.perf_counter() - start)
-        self.inner = owner.sender.send(self.slot, block, plan.block_info(self.info.dtype), self.step)
+        sender = owner.senders[plan.axis]
+        sender.timed(self.info.name, 0, time.perf_counter() - start)
+        self.inner = sender.send(self.slot, block, plan.block_info(self.info.dtype), self.step)
 
     def finish(self) -> None:
         if self.inner is None:
@@ -247,7 +249,7 @@ class HierarchicalExchange(Exchange):
             grad.view(plan.rows, plan.cols).copy_(result)
         else:
             _store(grad, result.contiguous())
-        self.owner.sender.timed(self.info.name, 1, time.perf_counter() - start)
+        self.owner.senders[plan.axis].timed(self.info.name, 1, time.perf_counter() - start)
 
 
 # --- the exchange kind ----------------------------------------------------------------------------------------
@@ -260,6 +262,18 @@ def _unsupported(compression: SparseCompressor, elastic: bool) -> Optional[str]:
     if elastic:
         return "Horovod elastic: process sets are not re-created after a membership change"
     return None
+
+
+def _block_compressor(compression: SparseCompressor, axis: int) -> SparseCompressor:
+    """The compressor a block is selected with: for ADTopk rules a shallow copy with the tensor's resolved
+    fiber ``axis`` (``"auto"`` decided on the whole tensor must not be decided again on a block's shape);
+    the copy shares the original's codec cache and adaptive state (ADTopk-T), so checkpoints and resets of
+    the optimizer's compressor cover the blocks."""
+    if not isinstance(compression, ADTopkCompressor):
+        return compression
+    view = copy.copy(compression)
+    view.axis = axis
+    return view
 
 
 class Hierarchical:
@@ -283,14 +297,16 @@ class Hierarchical:
         self.memory = ErrorFeedback() if compression.error_feedback else None
         self.stats = Stats()
         self.intra_bytes = 0
-        self.topology, self.sender = None, None
+        self.topology = None
+        self.senders: Dict[int, SparseSender] = {}  # by fiber axis (see _block_compressor)
         self.reason = _unsupported(compression, elastic)
         if self.reason is None:
             self.topology, self.reason = discover(comm)
         if self.topology is not None:
             scale = postscale / self.topology.local_size if op_is_average else postscale
-            self.sender = SparseSender(compression, self.memory, self.topology.cross, self.stats, op, sum_op,
-                                       op_is_average, prescale, scale)
+            self.senders = {axis: SparseSender(_block_compressor(compression, axis), self.memory, self.topology.cross,
+                                               self.stats, op, sum_op, op_is_average, prescale, scale)
+                            for axis in (0, 1)}
 
     # --- planning -----------------------------------------------------------------------------------------
     def replan(self) -> None:
@@ -352,15 +368,15 @@ class Hierarchical:
 
     def end_round(self) -> int:
         """Scrub non-finite values from the block memory; returns how many blocks had one."""
-        return self.sender.scrub_nonfinite() if self.sender is not None else 0
+        return sum(sender.scrub_nonfinite() for sender in self.senders.values())
 
     def reset(self) -> None:
         """Forget the block memory (elastic reset, or a checkpoint from another layout)."""
         if self.memory is not None:
             self.memory.reset()
         self._memory_plans.clear()
-        if self.sender is not None:
-            self.sender.nonfinite.clear()
+        for sender in self.senders.values():
+            sender.nonfinite.clear()
 
     # --- description, stats, state ------------------------------------------------------------------------------
     def layout(self) -> Optional[List[int]]:

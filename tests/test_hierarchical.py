@@ -24,6 +24,8 @@ SHAPES = {
     "conv.weight": [8, 4, 3, 3],
     "embed.weight": [200, 16],   # auto: fibers are the 16 columns, blocks of 8 columns
     "tiny.weight": [1, 64],      # axis 1 / auto: one fiber < 2 local ranks: flat fallback
+    "odd.weight": [200, 19],     # auto at 0.1: columns (k=1 of 1.9 per row is off), but block 0's 10 columns
+                                 # alone would pass as rows: the block must keep the tensor's axis
 }
 NP_DTYPES = {"float32": np.float32, "float64": np.float64}
 BASE = {"min_numel": 0, "hybrid": False}
@@ -80,7 +82,7 @@ def plan(case, shape):
         if not ref.adtopk_is_sparse(tuple(shape), kw["ratio"], kw["axis"], elem, elem, 0):
             return "dense", None
         rows, cols = shape[0], int(np.prod(shape[1:]))
-        axis = ref.resolve_axis(rows, cols, kw["axis"])
+        axis = ref.resolve_axis(rows, cols, kw["axis"], kw["ratio"])
     else:
         ratio = kw.get("ratio", 0.01)
         if not ref.flat_is_sparse(tuple(shape), ratio, elem, elem):
