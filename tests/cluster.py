@@ -256,6 +256,11 @@ def teardown(name: str) -> List[str]:
             edit_tagged(path, name)
             done.append(f"lines in {path}")
     shutil.rmtree(_state_dir(name), ignore_errors=True)
+    for empty in (NETNS_ETC, STATE_ROOT):  # only when no other cluster uses them
+        try:
+            empty.rmdir()
+        except OSError:
+            pass
     return done
 
 
