@@ -16,8 +16,8 @@ cluster's addresses or to the host's own loopback (intra-host traffic never cros
 
 The filesystem is shared (namespaces of network and hostname only), as on a cluster with a shared home:
 the repository and the .venv are at the same path on every host. Names resolve through a per-host hosts
-file, ``/etc/netns/<netns>/hosts``, which ``ip netns exec`` binds over /etc/hosts for everything started on
-that host (sshd and thus every ssh session too). With ``loopback_names`` (``--debian-hosts``) a host's own
+file, ``/etc/netns/<netns>/hosts``, bound over /etc/hosts (a private mount namespace, as ``ip netns exec``
+does it) for everything started on that host (sshd and thus every ssh session too). With ``loopback_names`` (``--debian-hosts``) a host's own
 name resolves to 127.0.1.1, as Debian and Ubuntu install it; otherwise to its cluster address. The root
 namespace resolves the names through tagged lines in /etc/hosts.
 
@@ -107,10 +107,10 @@ def unavailable_reason() -> Optional[str]:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "creating network namespaces, veths and /etc/hosts entries needs root (CAP_NET_ADMIN)"
-    missing = [p for p in ("ip", "unshare", "tc", "ssh", "ssh-keygen") if shutil.which(p) is None]
+    missing = [p for p in ("ip", "nsenter", "unshare", "tc", "ssh", "ssh-keygen") if shutil.which(p) is None]
     if missing:
         return f"missing programs: {' '.join(missing)} (Debian: iproute2 util-linux openssh-client)"
-    r = _sh(["unshare", "--net", "--uts", "true"], check=False)
+    r = _sh(["unshare", "--net", "--uts", "--mount", "true"], check=False)
     if r.returncode != 0:
         return f"cannot create network/UTS namespaces here: {r.stderr.strip()}"
     return None
@@ -515,8 +515,12 @@ class Cluster:
     def on_host(self, host: Union[str, int, Host], cmd: Sequence[str]) -> List[str]:
         """``cmd`` as run on ``host``: inside its network namespace (and hosts file), under its hostname."""
         h = self.host(host)
-        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
-                h.name, *map(str, cmd)]
+        # nsenter, not `ip netns exec`: that one remounts /sys, which hides the cgroup mounts (slurmd needs them).
+        # The private mount namespace of unshare binds the host's hosts file over /etc/hosts, as `ip netns exec`
+        # would (the same file, so set_loopback_names reaches running hosts).
+        script = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+        return ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--mount", "--propagation", "private", "--uts",
+                "--", "sh", "-c", script, h.name, str(NETNS_ETC / h.netns / "hosts"), *map(str, cmd)]
 
     def run(self, host: Union[str, int, Host], cmd: Sequence[str], timeout: float,
             env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
