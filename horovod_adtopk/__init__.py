@@ -11,7 +11,7 @@
 tensor modules (``horovod_adtopk.selection``, ``wire``, ``models``, ``datasets``) also work where Horovod is
 not installed (e.g. a GPU box used only for kernel benchmarks).
 """
-__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor"]
+__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "broadcast_parameters"]
 __version__ = "0.1.0"
 
 
@@ -22,4 +22,7 @@ def __getattr__(name):
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer
+    if name == "broadcast_parameters":
+        from .functions import broadcast_parameters
+        return broadcast_parameters
     raise AttributeError(f"module 'horovod_adtopk' has no attribute {name!r}")

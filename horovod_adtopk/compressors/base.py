@@ -1,4 +1,4 @@
-"""Compressors: a selection rule + wire options + error-feedback options, behind one registry.
+"""The base of every compressor: codecs, :class:`Selection`, :class:`SparseCompressor` and the registry.
 
 Every sparse compressor is a :class:`horovod.torch.compression.Compressor` subclass so that it can be
 passed where Horovod expects one, but its payloads are (value, index) pairs that must be *gathered*, not
@@ -13,6 +13,8 @@ Per call the optimizer asks a compressor for a :class:`Selection` of the error-c
 - :class:`FlatCodec`: flat offsets, fixed count (Top-k) or variable count (threshold rules).
 - :class:`SharedCodec`: no indices at all, every rank draws the same positions (Random-k); the values
   travel by allreduce.
+
+The rules live one family per module beside this one and join the registry with :func:`register`.
 """
 from __future__ import annotations
 
@@ -31,10 +33,9 @@ except ImportError:  # pragma: no cover - exercised where Horovod is absent
 
     NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
-from . import kernels
-from . import selection as sel
-from .memory import check_momentum
-from .wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
+from .. import selection as sel
+from ..memory import check_momentum
+from ..wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
 
 DEFAULT_MIN_NUMEL = 1024
 
@@ -316,7 +317,12 @@ def _flat_selection(values: torch.Tensor, flat: torch.Tensor, numel: int, count:
     return Selection(values, flat, flat, FlatCodec(numel, count))
 
 
-# --- the rules ----------------------------------------------------------------------------------------------
+def stable_seed(*parts) -> int:
+    """A seed from strings/ints that is the same in every process (Python's ``hash`` is salted)."""
+    return zlib.crc32("\x1f".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
+
+
+# --- registry -------------------------------------------------------------------------------------------------
 
 _REGISTRY: Dict[str, Type[SparseCompressor]] = {}
 
@@ -328,352 +334,6 @@ def register(cls: Type[SparseCompressor]) -> Type[SparseCompressor]:
     _REGISTRY[cls.name] = cls
     return cls
 
-
-@register
-class ADTopkCompressor(SparseCompressor):
-    """All-dimension top-k (see :mod:`horovod_adtopk.selection`). ``axis``: 0, 1 or "auto"."""
-
-    name = "adtopk"
-    summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (fibers along the longer axis); "
-               "fixed size, fiber-local int16/int32 indices")
-
-    def __init__(self, ratio: float, axis="auto", **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        sel.resolve_axis(2, 2, axis)  # validates
-        self.axis = axis
-        self._codecs: Dict[Tuple[str, int], FiberCodec] = {}
-
-    def extra_config(self) -> dict:
-        return {"axis": self.axis}
-
-    def layout(self, info: TensorInfo, ratio: Optional[float] = None) -> sel.FiberLayout:
-        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis)
-
-    def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
-        layout = self.layout(info, None if step is None else self.ratio_at(step))
-        key = (info.name, layout.k)
-        c = self._codecs.get(key)
-        if c is None or c.layout.shape != info.shape:
-            c = self._codecs[key] = FiberCodec(layout)
-        return c
-
-    def nominal_count(self, info: TensorInfo) -> int:
-        return self.layout(info).count
-
-    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
-        return index_dtype_for(self.layout(info).fiber_len - 1)
-
-    def _fiber_topk(self, a, codec, grad=None, zero_sent=False) -> Selection:
-        lay = codec.layout
-        values, local = kernels.adtopk_select(_contiguous(a), lay.rows, lay.cols, lay.axis, lay.k,
-                                              None if grad is None else _contiguous(grad), zero_sent)
-        return Selection(values.reshape(-1), codec.to_flat(local), local.reshape(-1), codec)
-
-    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
-        return self._fiber_topk(a, self.codec(info, step), grad, zero_sent)
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        return self._fiber_topk(a, self.codec(info, step))
-
-
-@register
-class TopkCompressor(SparseCompressor):
-    """Exact global top-k of the flattened tensor, ``k = max(1, floor(ratio * numel))``."""
-
-    name = "topk"
-    summary = "exact global top-k, `k = max(1, floor(ratio * numel))`; fixed size, flat indices"
-
-    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
-        k = sel.keep_count(self.ratio_at(step), info.numel)
-        values, flat = kernels.topk_select(_contiguous(a), k, None if grad is None else _contiguous(grad), zero_sent)
-        return _flat_selection(values, flat, info.numel, k)
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        return self._select_fused(a, info, step, None, False)
-
-
-def stable_seed(*parts) -> int:
-    """A seed from strings/ints that is the same in every process (Python's ``hash`` is salted)."""
-    return zlib.crc32("\x1f".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
-
-
-@register
-class RandomkCompressor(SparseCompressor):
-    """``k`` random positions, the same on every rank (private generator seeded by seed, name and step):
-    no indices travel, and the values are summed by allreduce (in float32 at least, whatever
-    ``value_dtype``: a reduced value dtype only rounds each rank's values, which error feedback keeps).
-
-    Non-finite values: if ``a`` holds a NaN/Inf at a position that was not drawn, the first drawn value is
-    sent as NaN, so every rank sees a non-finite gradient this step (as with dense allreduce) and the
-    memory is scrubbed; nothing non-finite waits in the memory to surface later."""
-
-    name = "randomk"
-    summary = "`k` random positions, identical on every rank (seed, name, step); values only, allreduced"
-    gathers = False  # values are allreduced: the allgather term of the hybrid rule does not apply
-
-    def __init__(self, ratio: float, seed: int = 0, **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        self.seed = _check_int("seed", seed, 0)
-
-    def extra_config(self) -> dict:
-        return {"seed": self.seed}
-
-    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
-        return None
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        k = sel.keep_count(self.ratio_at(step), info.numel)
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(stable_seed(self.seed, info.name, step))
-        flat = sel.random_positions(info.numel, k, gen, a.device)
-        values = a.reshape(-1)[flat]
-        finite = torch.isfinite(a).all()
-        if not bool(finite):
-            values[0] = float("nan")
-        return Selection(values, flat, None, SharedCodec(flat), finite=finite)
-
-
-class _ThresholdCompressor(SparseCompressor):
-    """Variable-size rules: keep ``|a| >= t`` with ``t`` from :meth:`threshold`."""
-
-    variable_count = True
-
-    def threshold(self, a: torch.Tensor, mag: torch.Tensor, info: TensorInfo, step: int) -> float:
-        raise NotImplementedError
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        mag = a.reshape(-1).abs()
-        t = self.threshold(a, mag, info, step)
-        values, flat = kernels.threshold_select(_contiguous(a), t)
-        return _flat_selection(values, flat, info.numel, None)
-
-
-@register
-class DGCCompressor(_ThresholdCompressor):
-    """DGC (Lin et al. 2018): threshold from a ~1% random sample of ``|a|``; when the count misses
-    ``k`` by more than 25% the threshold is corrected (at most 3 extra passes), and when it selects more
-    than ``1.25 k`` the exact top-k of the candidates is kept (DGC's hierarchical selection). Pass
-    ``momentum=0.9`` (with a momentum-free wrapped optimizer) for DGC's momentum correction with factor
-    masking."""
-
-    name = "dgc"
-    summary = ("threshold from a 1% sample of `|a|`, corrected; hierarchical top-k when over; `momentum=` for "
-               "momentum correction; variable size")
-
-    def __init__(self, ratio: float, sample_fraction: float = 0.01, seed: int = 0, **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        if isinstance(sample_fraction, bool) or not isinstance(sample_fraction, numbers.Real) \
-                or not (0.0 < sample_fraction <= 1.0):
-            raise ValueError(f"sample_fraction must be in (0, 1], got {sample_fraction!r}")
-        self.sample_fraction = float(sample_fraction)
-        self.seed = _check_int("seed", seed, 0)
-
-    def extra_config(self) -> dict:
-        return {"sample_fraction": self.sample_fraction, "seed": self.seed}
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        ratio = self.ratio_at(step)
-        k = sel.keep_count(ratio, info.numel)
-        mag = a.reshape(-1).abs()
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(stable_seed("dgc", self.seed, info.name, step))
-        t = sel.dgc_threshold(mag, ratio, gen, self.sample_fraction)
-        t = sel.refine_threshold(mag, t, k, max_iters=3)
-        values, flat = kernels.threshold_select(_contiguous(a), t)
-        if flat.numel() > 1.25 * k:
-            finite = torch.isfinite(values)
-            keep = torch.topk(torch.where(finite, values.abs(), torch.full_like(values, float("inf"))), k,
-                              sorted=False).indices
-            values, flat = values[keep], flat[keep]
-        return _flat_selection(values, flat, info.numel, None)
-
-
-@register
-class GaussiankCompressor(_ThresholdCompressor):
-    """Gaussian-k (Shi et al. 2019): normal fit, then up to 5 bracketed corrections toward ``k``."""
-
-    name = "gaussiank"
-    summary = "normal fit `|mu| + sigma * Phi^-1(1 - ratio/2)`, corrected; variable size"
-
-    def threshold(self, a, mag, info, step):
-        ratio = self.ratio_at(step)
-        k = sel.keep_count(ratio, info.numel)
-        return sel.refine_threshold(mag, sel.gaussian_threshold(a, ratio), k, max_iters=5)
-
-
-@register
-class RedSyncCompressor(_ThresholdCompressor):
-    """RedSync (Fang et al. 2019): binary search between mean and max of ``|a|``."""
-
-    name = "redsync"
-    summary = "binary search of `mean + r (max - mean)`; variable size"
-
-    def threshold(self, a, mag, info, step):
-        return sel.redsync_threshold(mag, sel.keep_count(self.ratio_at(step), info.numel))
-
-
-@register
-class SIDCoCompressor(_ThresholdCompressor):
-    """SIDCo (Abdelmoniem et al. 2021): multi-stage exponential (or gamma / gpareto) tail fit, then up
-    to 4 bracketed corrections toward ``k``."""
-
-    name = "sidco"
-    summary = "multi-stage exponential (or `gamma`, `gpareto`) tail fit, corrected; variable size"
-
-    def __init__(self, ratio: float, stages: int = 2, distribution: str = "exponential", **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        if distribution not in sel.SIDCO_DISTRIBUTIONS:
-            raise ValueError(f"distribution must be one of {', '.join(sel.SIDCO_DISTRIBUTIONS)}, got {distribution!r}")
-        self.stages, self.distribution = _check_int("stages", stages, 1), distribution
-
-    def extra_config(self) -> dict:
-        return {"stages": self.stages, "distribution": self.distribution}
-
-    def threshold(self, a, mag, info, step):
-        ratio = self.ratio_at(step)
-        k = sel.keep_count(ratio, info.numel)
-        t = sel.sidco_threshold(mag, ratio, self.stages, self.distribution)
-        return sel.refine_threshold(mag, t, k, max_iters=4)
-
-
-@register
-class ThresholdCompressor(_ThresholdCompressor):
-    """Fixed threshold: send every entry with ``|a| >= threshold``. ``ratio`` only sizes the hybrid
-    rule's estimate of the payload (default 0.01)."""
-
-    name = "threshold"
-    summary = "`|a| >= threshold` (you give it); variable size"
-
-    def __init__(self, threshold: float, ratio: float = 0.01, **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) \
-                or not (0.0 <= float(threshold) < float("inf")):
-            raise ValueError(f"threshold must be a finite number >= 0, got {threshold!r}")
-        self.fixed_threshold = float(threshold)
-
-    def extra_config(self) -> dict:
-        return {"threshold": self.fixed_threshold}
-
-    def threshold(self, a, mag, info, step):
-        return self.fixed_threshold
-
-
-@register
-class ADTopkICompressor(ADTopkCompressor):
-    """ADTopk-I (interleaved): on step ``s`` a parameter uses all-dimension top-k when
-    ``s % period == 0`` and exact global top-k otherwise (period 2: they alternate, ADTopk first, as in
-    the authors' code). The step comes from the optimizer, which saves it in ``state_dict()``, so a
-    resumed run continues the same schedule."""
-
-    name = "adtopk_i"
-    summary = ("ADTopk-I: step `s` uses ADTopk when `s % period == 0`, exact global top-k otherwise "
-               "(`period=2`); fixed size per step")
-
-    def __init__(self, ratio: float, period: int = 2, **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        self.period = _check_int("period", period, 1)
-
-    def extra_config(self) -> dict:
-        return {"axis": self.axis, "period": self.period}
-
-    def nominal_count(self, info: TensorInfo) -> int:
-        return max(self.layout(info).count, sel.keep_count(self.ratio, info.numel))
-
-    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
-        return index_dtype_for(info.numel - 1)
-
-    def uses_adtopk(self, step: int) -> bool:
-        return step % self.period == 0
-
-    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
-        if self.uses_adtopk(step):
-            return super()._select_fused(a, info, step, grad, zero_sent)
-        return TopkCompressor._select_fused(self, a, info, step, grad, zero_sent)
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        if self.uses_adtopk(step):
-            return super()._select(a, info, step)
-        return TopkCompressor._select_fused(self, a, info, step, None, False)
-
-
-@register
-class ADTopkTCompressor(ADTopkCompressor):
-    """ADTopk-T (threshold-estimated ADTopk).
-
-    Per parameter: on an *exact* step, run all-dimension top-k and record every fiber's threshold
-    ``theta_f`` = the smallest ``|a|`` it kept. On the ``tau - 1`` steps in between, send the entries with
-    ``|a| >= theta_f`` of their fiber (one comparison pass, no sort; variable size, flat indices).
-
-    Adapting ``tau`` (per parameter, on magnitudes; the authors shared one ``tau`` across all layers and
-    compared signed values): at each exact step, with ``delta`` = median over fibers of
-    ``|theta_new - theta_old| / theta_old``: ``delta < tolerance`` (default 0.1) -> ``tau += 1`` up to
-    ``tau_max``; otherwise ``tau -= 1`` down to ``tau_min``. ``tau`` starts at ``tau_min``; the first
-    ``warmup`` steps are all exact.
-    """
-
-    name = "adtopk_t"
-    summary = ("ADTopk-T: exact ADTopk every `tau` steps records per-fiber thresholds; in between "
-               "`|a| >= theta_fiber`; variable size")
-    variable_count = True
-
-    def __init__(self, ratio: float, tau_min: int = 1, tau_max: int = 16, tolerance: float = 0.1,
-                 warmup: int = 2, **kwargs) -> None:
-        super().__init__(ratio, **kwargs)
-        self.tau_min, self.tau_max = _check_int("tau_min", tau_min, 1), _check_int("tau_max", tau_max, 1)
-        if self.tau_min > self.tau_max:
-            raise ValueError(f"need 1 <= tau_min <= tau_max, got tau_min={tau_min!r}, tau_max={tau_max!r}")
-        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance > 0:
-            raise ValueError(f"tolerance must be a number > 0, got {tolerance!r}")
-        self.tolerance, self.warmup = float(tolerance), _check_int("warmup", warmup, 0)
-        self._state: Dict[str, dict] = {}
-
-    def extra_config(self) -> dict:
-        return {"axis": self.axis, "tau_min": self.tau_min, "tau_max": self.tau_max,
-                "tolerance": self.tolerance, "warmup": self.warmup}
-
-    def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
-        return index_dtype_for(info.numel - 1)
-
-    def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:
-        return SparseCompressor._select_fused(self, a, info, step, grad, zero_sent)
-
-    def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
-        codec = self.codec(info, step)
-        st = self._state.get(info.name)
-        exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"] or \
-            st["theta"].numel() != codec.layout.num_fibers
-        if not exact:
-            st["since"] += 1
-            lay = codec.layout
-            values, flat = kernels.fiber_threshold_select(_contiguous(a), lay.rows, lay.cols, lay.axis,
-                                                          st["theta"].to(a.device))
-            return _flat_selection(values, flat, info.numel, None)
-        s = self._fiber_topk(a, codec)
-        values = s.values.view(codec.layout.num_fibers, -1)
-        theta = values.abs().amin(dim=1).detach().to(torch.float64)
-        theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
-        if st is None or st["theta"].numel() != theta.numel():
-            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta}
-        else:
-            old = st["theta"].to(theta.device)
-            delta = float(((theta - old).abs() / old.clamp_min(1e-30)).median())
-            st["tau"] = min(st["tau"] + 1, self.tau_max) if delta < self.tolerance else max(st["tau"] - 1, self.tau_min)
-            st["theta"], st["since"] = theta, 0
-        return _flat_selection(s.values, s.flat, info.numel, None)
-
-    def state_dict(self) -> dict:
-        return {name: {"tau": s["tau"], "since": s["since"], "theta": s["theta"].cpu().clone()}
-                for name, s in self._state.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._state = {name: {"tau": int(s["tau"]), "since": int(s["since"]), "theta": s["theta"].clone()}
-                       for name, s in state.items()}
-
-    def reset_state(self) -> None:
-        self._state.clear()
-
-
-# --- registry -------------------------------------------------------------------------------------------------
 
 _DENSE = {"none": NoneCompressor, "fp16": FP16Compressor}
 
@@ -771,6 +431,3 @@ class Compression(metaclass=_CompressionNamespace):
 
 def is_sparse(compression) -> bool:
     return isinstance(compression, SparseCompressor)
-
-
-from . import powersgd  # noqa: E402,F401  (registers PowerSGD, which builds on the classes above)

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .compressors import SparseCompressor, TensorInfo, _check_bool, _check_int, register, stable_seed
+from .base import SparseCompressor, TensorInfo, _check_bool, _check_int, register, stable_seed
 
 _EPS = 1e-8
 
