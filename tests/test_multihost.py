@@ -17,8 +17,15 @@ bitwise identical ranks.
   saying why, nothing left on any host; the checkpoint resumes to the uninterrupted run's parameters bit for
   bit on the same 2x2 layout and is refused with the reason on 2 ranks.
 
-Skipped only where namespaces cannot be made (not root, no CAP_NET_ADMIN); sshd is installed by the
-fixture with apt-get if missing. About 5 minutes on 2 CPU cores.
+* Slurm: ``sbatch -N 2 --ntasks-per-node=2 examples/slurm_train.sbatch`` with srun (PMIx) and with mpirun
+  on a 2-node Slurm cluster over the same hosts (tests/slurm_cluster.py ``MultiHostSlurmCluster``), COMPLETED
+  and the same per-rank checks.
+* A second cluster beside the module's (other name, subnet, no route between them) and its teardown.
+
+Skipped only where namespaces cannot be made (not root, no CAP_NET_ADMIN); sshd (openssh-server) is
+installed by the cluster with apt-get if missing, slurm-wlm and munge by tests/test_slurm.py's installer.
+Measured: 14 min for the module on 2 shared cores at load average 18; each job is mostly Python, torch and
+Horovod start-up of 4 ranks on 2 cores (a 2x2 Gloo job took 31 s at load 1).
 """
 from __future__ import annotations
 
@@ -328,3 +335,27 @@ def test_sbatch_two_nodes(cluster: Cluster, slurm, tmp_path: Path, launcher: str
     finals = [line for line in text.splitlines() if "Final test accuracy" in line]
     assert len(finals) == 1, f"expected one 'Final test accuracy' line\n{detail}"
     check_records(cluster, tmp_path / "ranks", "mpi4py", 30, detail)
+
+
+def test_second_cluster_beside_and_teardown_leaves_nothing(cluster: Cluster):
+    """Another cluster (other name) runs beside the module's on its own subnet; its stop removes all it made."""
+    from tests.cluster import HOSTS_FILE, KNOWN_HOSTS, NETNS_ETC, netns_pids
+    other = Cluster(hosts=1, name=f"u{os.getpid() % 10 ** 6}").start()
+    try:
+        h = other.hosts[0]
+        assert other.subnet != cluster.subnet and h.name not in [x.name for x in cluster.hosts]
+        sshd = [psutil.Process(pid) for pid, _ in other.daemons.values()]
+        r = subprocess.run(other.on_host(h, ["hostname"]), capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == h.name
+        # no route from one cluster's host to the other's
+        r = subprocess.run(other.on_host(h, ["ip", "route", "get", cluster.hosts[0].address]), capture_output=True,
+                           text=True, timeout=30)
+        assert r.returncode != 0, r.stdout
+    finally:
+        other.stop()
+    assert h.netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netns_pids(h.netns) == [] and not any(p.is_running() for p in sshd)
+    tag = f"#hat-cluster:{other.name}"
+    assert tag not in HOSTS_FILE.read_text() and tag not in KNOWN_HOSTS.read_text()
+    assert not (NETNS_ETC / h.netns).exists() and not other.dir.exists()
+    assert f"#hat-cluster:{cluster.name}" in HOSTS_FILE.read_text()  # the module's cluster is untouched
