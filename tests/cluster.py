@@ -16,8 +16,8 @@ cluster's addresses or to the host's own loopback (intra-host traffic never cros
 
 The filesystem is shared (namespaces of network and hostname only), as on a cluster with a shared home:
 the repository and the .venv are at the same path on every host. Names resolve through a per-host hosts
-file, ``/etc/netns/<netns>/hosts``, which ``ip netns exec`` binds over /etc/hosts for everything started on
-that host (sshd and thus every ssh session too). With ``loopback_names`` (``--debian-hosts``) a host's own
+file, ``/etc/netns/<netns>/hosts``, bound over /etc/hosts (a private mount namespace, as ``ip netns exec``
+does it) for everything started on that host (sshd and thus every ssh session too). With ``loopback_names`` (``--debian-hosts``) a host's own
 name resolves to 127.0.1.1, as Debian and Ubuntu install it; otherwise to its cluster address. The root
 namespace resolves the names through tagged lines in /etc/hosts.
 
@@ -107,10 +107,10 @@ def unavailable_reason() -> Optional[str]:
         return "network namespaces need Linux"
     if os.geteuid() != 0:
         return "creating network namespaces, veths and /etc/hosts entries needs root (CAP_NET_ADMIN)"
-    missing = [p for p in ("ip", "unshare", "tc", "ssh", "ssh-keygen") if shutil.which(p) is None]
+    missing = [p for p in ("ip", "nsenter", "unshare", "tc", "ssh", "ssh-keygen") if shutil.which(p) is None]
     if missing:
         return f"missing programs: {' '.join(missing)} (Debian: iproute2 util-linux openssh-client)"
-    r = _sh(["unshare", "--net", "--uts", "true"], check=False)
+    r = _sh(["unshare", "--net", "--uts", "--mount", "true"], check=False)
     if r.returncode != 0:
         return f"cannot create network/UTS namespaces here: {r.stderr.strip()}"
     return None
@@ -256,6 +256,11 @@ def teardown(name: str) -> List[str]:
             edit_tagged(path, name)
             done.append(f"lines in {path}")
     shutil.rmtree(_state_dir(name), ignore_errors=True)
+    for empty in (NETNS_ETC, STATE_ROOT):  # only when no other cluster uses them
+        try:
+            empty.rmdir()
+        except OSError:
+            pass
     return done
 
 
@@ -290,7 +295,153 @@ def parse_link(link: Optional[str]) -> Optional[str]:
 # The cluster
 # ---------------------------------------------------------------------------------------------------------
 
-class Cluster:
+class Hosts:
+    """The hosts of a running cluster: running commands on them, launcher options, their processes.
+
+    The base of ``Cluster`` (which sets the attributes: ``name``, ``hosts``, ``iface``, ``dir``, ``daemons``, ...)."""
+
+    # --- names -------------------------------------------------------------------------------------------
+    @property
+    def key(self) -> Path:
+        """The throw-away ssh client key every host accepts (for ``ssh -i`` / ``--ssh-identity-file``)."""
+        return self.dir / "id_ed25519"
+
+    @property
+    def ssh_config(self) -> Path:
+        """An ssh client config with key, user and known hosts: ``ssh -F <this> <host> cmd`` just works."""
+        return self.dir / "ssh_config"
+
+    def host(self, which: Union[str, int, Host]) -> Host:
+        """A host by index, hostname or Host."""
+        if isinstance(which, Host):
+            return which
+        for h in self.hosts:
+            if which in (h.index, h.name):
+                return h
+        raise ClusterError(f"cluster {self.name} has no host {which!r} (hosts: {[h.name for h in self.hosts]})")
+
+    # --- use ---------------------------------------------------------------------------------------------
+    def on_host(self, host: Union[str, int, Host], cmd: Sequence[str]) -> List[str]:
+        """``cmd`` as run on ``host``: inside its network namespace (and hosts file), under its hostname."""
+        h = self.host(host)
+        # nsenter, not `ip netns exec`: that one remounts /sys, which hides the cgroup mounts (slurmd needs them).
+        # The private mount namespace of unshare binds the host's hosts file over /etc/hosts, as `ip netns exec`
+        # would (the same file, so set_loopback_names reaches running hosts).
+        script = 'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"'
+        return ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--mount", "--propagation", "private", "--uts",
+                "--", "sh", "-c", script, h.name, str(NETNS_ETC / h.netns / "hosts"), *map(str, cmd)]
+
+    def run(self, host: Union[str, int, Host], cmd: Sequence[str], timeout: float,
+            env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+            settle: float = 10.0) -> Tuple[Optional[int], str, float]:
+        """Run ``cmd`` on ``host`` under a timeout (tests.harness.run_command: its process tree is killed at
+        the end). Then waits up to ``settle`` s for the processes it started on any host to end, keeps what is
+        still there in ``self.left_behind`` ({host: [pid: cmdline]}) and kills it.
+        Returns ``(returncode or None on timeout, output, seconds)``."""
+        from tests.harness import run_command
+        try:
+            return run_command(self.on_host(host, cmd), timeout=timeout, env=env, cwd=cwd)
+        finally:
+            deadline = time.monotonic() + settle
+            self.left_behind = self.leftovers()
+            while self.left_behind and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self.left_behind = self.leftovers()
+            self.reap()
+
+    def popen(self, host: Union[str, int, Host], cmd: Sequence[str], **kw) -> subprocess.Popen:
+        """Start ``cmd`` on ``host`` in its own session (``kw`` go to Popen); the caller waits and reaps."""
+        kw.setdefault("start_new_session", True)
+        return subprocess.Popen(self.on_host(host, cmd), **kw)
+
+    def host_list(self, slots: int = 1, hosts: Optional[Sequence[Union[str, int]]] = None) -> str:
+        """``h0:S,h1:S`` for ``-H`` of horovodrun and mpirun."""
+        chosen = [self.host(h) for h in hosts] if hosts is not None else self.hosts
+        return ",".join(f"{h.name}:{slots}" for h in chosen)
+
+    def hostfile(self, path: Path, slots: int = 1, style: str = "mpi") -> Path:
+        """Write a hostfile: ``h slots=S`` lines (Open MPI, ``style='mpi'``) or ``h:S`` (horovodrun)."""
+        fmt = "{h} slots={s}" if style == "mpi" else "{h}:{s}"
+        Path(path).write_text("".join(fmt.format(h=h.name, s=slots) + "\n" for h in self.hosts))
+        return Path(path)
+
+    def horovodrun_args(self, slots: int = 1) -> List[str]:
+        """horovodrun options for this cluster: host list, interface and the ssh key."""
+        return ["-np", str(slots * self.n), "-H", self.host_list(slots), "--network-interface", self.iface,
+                "--ssh-identity-file", str(self.key)]
+
+    def mpirun_args(self, slots: int = 1) -> List[str]:
+        """Open MPI mpirun options: host list, ssh through this cluster's config, TCP on ``iface``."""
+        return ["-np", str(slots * self.n), "-H", self.host_list(slots),
+                "--mca", "plm_rsh_args", f"-F {self.ssh_config}",
+                "--mca", "btl_tcp_if_include", self.iface, "--mca", "oob_tcp_if_include", self.iface]
+
+    def ssh(self, host: Union[str, int, Host], cmd: Sequence[str]) -> List[str]:
+        """An ssh command line (from the root namespace) that runs ``cmd`` on ``host``."""
+        return ["ssh", "-F", str(self.ssh_config), self.host(host).name, *map(str, cmd)]
+
+    def _daemon_pids(self) -> set:
+        return {pid for pid, started in self.daemons.values() if _pid_alive(pid, started)}
+
+    def processes(self, host: Union[str, int, Host, None] = None) -> List[psutil.Process]:
+        """The processes on ``host`` (all hosts if None) other than its sshd listener."""
+        chosen = [self.host(host)] if host is not None else self.hosts
+        keep = self._daemon_pids()
+        procs = []
+        for h in chosen:
+            for pid in netns_pids(h.netns):
+                if pid not in keep:
+                    try:
+                        procs.append(psutil.Process(pid))
+                    except psutil.Error:
+                        pass
+        return procs
+
+    def leftovers(self, needle: str = "") -> Dict[str, List[str]]:
+        """``{host: [cmdline, ..]}`` of the processes (``needle`` in their command line) still on each host,
+        not counting sshd (listener and its sessions)."""
+        found: Dict[str, List[str]] = {}
+        for h in self.hosts:
+            for p in self.processes(h):
+                try:
+                    line = " ".join(p.cmdline())
+                except psutil.Error:
+                    continue
+                if needle in line and not line.startswith(("sshd:", SSHD)):
+                    found.setdefault(h.name, []).append(f"{p.pid}: {line[:200]}")
+        return found
+
+    def reap(self) -> List[int]:
+        """Kill (by pid) every process on the hosts but their sshd listeners; returns the pids."""
+        return kill_pids([p.pid for p in self.processes()])
+
+    def set_link(self, host: Union[str, int, Host], up: bool) -> None:
+        """``ip link set eth1 up|down`` inside ``host``: its link to every other host goes (or comes back)."""
+        h = self.host(host)
+        _sh(["ip", "netns", "exec", h.netns, "ip", "link", "set", self.iface, "up" if up else "down"])
+
+    def describe(self) -> str:
+        """What is up and how to use it, for people."""
+        link = self.rate or "uncapped"
+        if self.latency_ms:
+            link += f", +{self.latency_ms} ms one-way"
+        rows = "\n".join(f"  {h.name:<12} {h.address:<15} netns {h.netns}, veth {h.veth} <-> {self.iface}"
+                         for h in self.hosts)
+        first = self.hosts[0].name
+        return (f"cluster {self.name}: {self.n} host(s) on {SUBNET_PREFIX}.{self.subnet}.0/24 via bridge "
+                f"{self.bridge} ({link}); own name -> "
+                f"{LOOPBACK_NAME_ADDR if self.loopback_names else 'own address'}\n{rows}\n"
+                f"run on a host:  python -m tests.cluster run --name {self.name} {first} -- CMD ...\n"
+                f"ssh:            ssh -F {self.ssh_config} {first}\n"
+                f"horovodrun:     horovodrun {' '.join(self.horovodrun_args(2))} python ...\n"
+                f"mpirun:         mpirun {' '.join(a if ' ' not in a else repr(a) for a in self.mpirun_args(2))} "
+                f"python ...\n"
+                f"stop:           python -m tests.cluster down --name {self.name}")
+
+
+
+
+class Cluster(Hosts):
     """N emulated hosts ``<name>-h0 ..``; see the module docstring. Use as a context manager or start/stop."""
 
     def __init__(self, hosts: int = 2, name: str = "hat", link: Optional[str] = None,
@@ -313,26 +464,6 @@ class Cluster:
         self.subnet: Optional[int] = None
         self.daemons: Dict[str, Tuple[int, float]] = {}
         self.left_behind: Dict[str, List[str]] = {}
-
-    # --- names -------------------------------------------------------------------------------------------
-    @property
-    def key(self) -> Path:
-        """The throw-away ssh client key every host accepts (for ``ssh -i`` / ``--ssh-identity-file``)."""
-        return self.dir / "id_ed25519"
-
-    @property
-    def ssh_config(self) -> Path:
-        """An ssh client config with key, user and known hosts: ``ssh -F <this> <host> cmd`` just works."""
-        return self.dir / "ssh_config"
-
-    def host(self, which: Union[str, int, Host]) -> Host:
-        """A host by index, hostname or Host."""
-        if isinstance(which, Host):
-            return which
-        for h in self.hosts:
-            if which in (h.index, h.name):
-                return h
-        raise ClusterError(f"cluster {self.name} has no host {which!r} (hosts: {[h.name for h in self.hosts]})")
 
     def _save(self) -> None:
         owner = None
@@ -506,102 +637,6 @@ class Cluster:
         if pending:
             raise ClusterError(f"hosts not reachable over ssh after {self.start_timeout:.0f}s; last: {last}")
 
-    # --- use ---------------------------------------------------------------------------------------------
-    def on_host(self, host: Union[str, int, Host], cmd: Sequence[str]) -> List[str]:
-        """``cmd`` as run on ``host``: inside its network namespace (and hosts file), under its hostname."""
-        h = self.host(host)
-        return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
-                h.name, *map(str, cmd)]
-
-    def run(self, host: Union[str, int, Host], cmd: Sequence[str], timeout: float,
-            env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
-            settle: float = 10.0) -> Tuple[Optional[int], str, float]:
-        """Run ``cmd`` on ``host`` under a timeout (tests.harness.run_command: its process tree is killed at
-        the end). Then waits up to ``settle`` s for the processes it started on any host to end, keeps what is
-        still there in ``self.left_behind`` ({host: [pid: cmdline]}) and kills it.
-        Returns ``(returncode or None on timeout, output, seconds)``."""
-        from tests.harness import run_command
-        try:
-            return run_command(self.on_host(host, cmd), timeout=timeout, env=env, cwd=cwd)
-        finally:
-            deadline = time.monotonic() + settle
-            self.left_behind = self.leftovers()
-            while self.left_behind and time.monotonic() < deadline:
-                time.sleep(0.2)
-                self.left_behind = self.leftovers()
-            self.reap()
-
-    def popen(self, host: Union[str, int, Host], cmd: Sequence[str], **kw) -> subprocess.Popen:
-        """Start ``cmd`` on ``host`` in its own session (``kw`` go to Popen); the caller waits and reaps."""
-        kw.setdefault("start_new_session", True)
-        return subprocess.Popen(self.on_host(host, cmd), **kw)
-
-    def host_list(self, slots: int = 1, hosts: Optional[Sequence[Union[str, int]]] = None) -> str:
-        """``h0:S,h1:S`` for ``-H`` of horovodrun and mpirun."""
-        chosen = [self.host(h) for h in hosts] if hosts is not None else self.hosts
-        return ",".join(f"{h.name}:{slots}" for h in chosen)
-
-    def hostfile(self, path: Path, slots: int = 1, style: str = "mpi") -> Path:
-        """Write a hostfile: ``h slots=S`` lines (Open MPI, ``style='mpi'``) or ``h:S`` (horovodrun)."""
-        fmt = "{h} slots={s}" if style == "mpi" else "{h}:{s}"
-        Path(path).write_text("".join(fmt.format(h=h.name, s=slots) + "\n" for h in self.hosts))
-        return Path(path)
-
-    def horovodrun_args(self, slots: int = 1) -> List[str]:
-        """horovodrun options for this cluster: host list, interface and the ssh key."""
-        return ["-np", str(slots * self.n), "-H", self.host_list(slots), "--network-interface", self.iface,
-                "--ssh-identity-file", str(self.key)]
-
-    def mpirun_args(self, slots: int = 1) -> List[str]:
-        """Open MPI mpirun options: host list, ssh through this cluster's config, TCP on ``iface``."""
-        return ["-np", str(slots * self.n), "-H", self.host_list(slots),
-                "--mca", "plm_rsh_args", f"-F {self.ssh_config}",
-                "--mca", "btl_tcp_if_include", self.iface, "--mca", "oob_tcp_if_include", self.iface]
-
-    def ssh(self, host: Union[str, int, Host], cmd: Sequence[str]) -> List[str]:
-        """An ssh command line (from the root namespace) that runs ``cmd`` on ``host``."""
-        return ["ssh", "-F", str(self.ssh_config), self.host(host).name, *map(str, cmd)]
-
-    def _daemon_pids(self) -> set:
-        return {pid for pid, started in self.daemons.values() if _pid_alive(pid, started)}
-
-    def processes(self, host: Union[str, int, Host, None] = None) -> List[psutil.Process]:
-        """The processes on ``host`` (all hosts if None) other than its sshd listener."""
-        chosen = [self.host(host)] if host is not None else self.hosts
-        keep = self._daemon_pids()
-        procs = []
-        for h in chosen:
-            for pid in netns_pids(h.netns):
-                if pid not in keep:
-                    try:
-                        procs.append(psutil.Process(pid))
-                    except psutil.Error:
-                        pass
-        return procs
-
-    def leftovers(self, needle: str = "") -> Dict[str, List[str]]:
-        """``{host: [cmdline, ..]}`` of the processes (``needle`` in their command line) still on each host,
-        not counting sshd (listener and its sessions)."""
-        found: Dict[str, List[str]] = {}
-        for h in self.hosts:
-            for p in self.processes(h):
-                try:
-                    line = " ".join(p.cmdline())
-                except psutil.Error:
-                    continue
-                if needle in line and not line.startswith(("sshd:", SSHD)):
-                    found.setdefault(h.name, []).append(f"{p.pid}: {line[:200]}")
-        return found
-
-    def reap(self) -> List[int]:
-        """Kill (by pid) every process on the hosts but their sshd listeners; returns the pids."""
-        return kill_pids([p.pid for p in self.processes()])
-
-    def set_link(self, host: Union[str, int, Host], up: bool) -> None:
-        """``ip link set eth1 up|down`` inside ``host``: its link to every other host goes (or comes back)."""
-        h = self.host(host)
-        _sh(["ip", "netns", "exec", h.netns, "ip", "link", "set", self.iface, "up" if up else "down"])
-
     # --- stop --------------------------------------------------------------------------------------------
     def stop(self) -> List[str]:
         """Kill every process on the hosts, remove namespaces, links, names and the state directory."""
@@ -612,25 +647,6 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-    def describe(self) -> str:
-        """What is up and how to use it, for people."""
-        link = self.rate or "uncapped"
-        if self.latency_ms:
-            link += f", +{self.latency_ms} ms one-way"
-        rows = "\n".join(f"  {h.name:<12} {h.address:<15} netns {h.netns}, veth {h.veth} <-> {self.iface}"
-                         for h in self.hosts)
-        first = self.hosts[0].name
-        return (f"cluster {self.name}: {self.n} host(s) on {SUBNET_PREFIX}.{self.subnet}.0/24 via bridge "
-                f"{self.bridge} ({link}); own name -> "
-                f"{LOOPBACK_NAME_ADDR if self.loopback_names else 'own address'}\n{rows}\n"
-                f"run on a host:  python -m tests.cluster run --name {self.name} {first} -- CMD ...\n"
-                f"ssh:            ssh -F {self.ssh_config} {first}\n"
-                f"horovodrun:     horovodrun {' '.join(self.horovodrun_args(2))} python ...\n"
-                f"mpirun:         mpirun {' '.join(a if ' ' not in a else repr(a) for a in self.mpirun_args(2))} "
-                f"python ...\n"
-                f"stop:           python -m tests.cluster down --name {self.name}")
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Command line

@@ -2,7 +2,7 @@
 
     python -m tests.multihost_worker OUTDIR [train.py arguments ...]
 
-runs the same steps as ``train.main`` (``setup``, ``resume``, ``train``: Horovod is initialised by train.py
+runs the same steps as ``train.main`` (``setup``, ``resume``, ``train``, which train.py re-exports: Horovod is initialised by train.py
 itself, ``hvd.init()`` under horovodrun and ``hvd.init(comm=MPI.COMM_WORLD)`` under mpirun / srun), then writes
 ``OUTDIR/rank<r>.json``: rank, size, local and cross rank and size, the hostname, the init mode, the final step
 and a SHA-256 of the model's parameters and buffers (bytes, in state-dict order), so a test can check that
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List
 
+import horovod.torch as hvd
 import torch
 
 import train  # examples/train.py
@@ -45,10 +46,10 @@ def main(argv: List[str]) -> int:
         train.train(job, progress)
     except train.JobFailed as failed:
         return failed.status
-    hvd = train.hvd
     record = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
               "local_size": hvd.local_size(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
-              "hostname": socket.gethostname(), "init_mode": job.init_mode, "step": progress.step,
+              "hostname": socket.gethostname(), "init_mode": getattr(job.engine, "init_mode", None),
+              "step": progress.step,
               "digest": model_digest(job.model)}
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / f"rank{record['rank']}.json").write_text(json.dumps(record))

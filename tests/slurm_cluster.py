@@ -8,8 +8,7 @@ left over (found by this cluster's own SLURM_CONF path in its environment) and r
 
 ``MultiHostSlurmCluster(cluster)`` spreads the same cluster over the hosts of an emulated multi-host
 ``tests.cluster.Cluster``: slurmctld on its first host, one slurmd per host (each on its own address, with its
-own spool, pid and log file, ``%n`` in slurm.conf), one munged shared by all (its socket is on the common
-filesystem).
+own spool, pid and log file, ``%n`` in slurm.conf) and one munged per host, all with the same key.
 
 ``ClusterUnavailable`` is raised (with the daemons' logs in the message) when the cluster does not come up.
 """
@@ -90,7 +89,7 @@ class SlurmCluster:
 
     def _write_config(self) -> None:
         d = self.dir
-        for sub in ("munge", "state", "spool", "log", "run"):
+        for sub in ("munge", "state", "spool", "log", "run", "tmpfs"):
             (d / sub).mkdir(mode=0o700)
         for node, _ in self.nodes:
             (d / "spool" / f"slurmd-{node}").mkdir(mode=0o755)
@@ -126,7 +125,7 @@ SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-TmpFS={d}/spool
+TmpFS={d}/tmpfs
 # no systemd, no cgroups
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -180,12 +179,17 @@ PartitionName=debug Nodes={",".join(n for n, _ in self.nodes)} Default=YES MaxTi
         kw.setdefault("env", self.env)
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
-    def _munge_ok(self) -> bool:
+    def _munge_dirs(self) -> List[Tuple[str, Path]]:
+        """(daemon name, directory with its key and socket) of every munged to start."""
+        return [("munged", self.dir / "munge")]
+
+    def _munge_ok(self, socket_path: Optional[Path] = None) -> bool:
+        sock = str(socket_path or self.munge_socket)
         try:
-            cred = self._quiet(["munge", "-n", "-S", str(self.munge_socket)], timeout=5)
+            cred = self._quiet(["munge", "-n", "-S", sock], timeout=5)
             if cred.returncode != 0:
                 return False
-            return self._quiet(["unmunge", "-S", str(self.munge_socket)], input=cred.stdout, timeout=5).returncode == 0
+            return self._quiet(["unmunge", "-S", sock], input=cred.stdout, timeout=5).returncode == 0
         except subprocess.TimeoutExpired:
             return False
 
@@ -217,10 +221,12 @@ PartitionName=debug Nodes={",".join(n for n, _ in self.nodes)} Default=YES MaxTi
         try:
             self._write_config()
             d = self.dir
-            self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-                                   f"--key-file={d}/munge/munge.key", f"--log-file={d}/log/munged.log",
-                                   f"--pid-file={d}/run/munged.pid", f"--seed-file={d}/munge/munged.seed"])
-            self._wait_for("munged to answer on its socket", self._munge_ok, "munged")
+            for name, mdir in self._munge_dirs():
+                self._spawn(name, ["munged", "--foreground", "--force", f"--socket={mdir}/munge.socket",
+                                   f"--key-file={mdir}/munge.key", f"--log-file={d}/log/{name}.log",
+                                   f"--pid-file={d}/run/{name}.pid", f"--seed-file={mdir}/munged.seed"])
+                self._wait_for(f"{name} to answer on its socket", lambda: self._munge_ok(mdir / "munge.socket"),
+                               name)
             self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)])
             self._wait_for("slurmctld to answer `scontrol ping`", self._ctld_ok, "slurmctld")
             for node, _ in self.nodes:
@@ -356,9 +362,11 @@ PartitionName=debug Nodes={",".join(n for n, _ in self.nodes)} Default=YES MaxTi
 
 class MultiHostSlurmCluster(SlurmCluster):
     """A Slurm cluster over the hosts of an emulated ``tests.cluster.Cluster``: slurmctld on the first host,
-    one slurmd per host (NodeName = hostname, NodeAddr = its cluster address), one munged whose socket and key
-    every host shares through the common filesystem. Clients (sbatch, scontrol) run here, in the root
-    namespace, which reaches the hosts through the cluster's bridge."""
+    one slurmd per host (NodeName = hostname, NodeAddr = its cluster address), and a munged per host with the
+    same key, as on a real cluster (one munged shared by two slurmds rejects the second decode of a step's
+    launch credential as "Replayed credential"). Every daemon on a host sees that host's munge directory and
+    its own TmpFS at the paths slurm.conf names (bind mounts in its private mount namespace). Clients (sbatch, scontrol) run
+    here, in the root namespace, with the first munged; it reaches the hosts through the cluster's bridge."""
 
     def __init__(self, cluster, cpus: Optional[int] = None, start_timeout: float = 90.0,
                  keep_dir: bool = False) -> None:
@@ -367,9 +375,24 @@ class MultiHostSlurmCluster(SlurmCluster):
         self.nodes = [(h.name, h.address) for h in cluster.hosts]
         self.ctld_host, self.ctld_addr = cluster.hosts[0].name, cluster.hosts[0].address
 
+    def _munge_dirs(self) -> List[Tuple[str, Path]]:
+        dirs = super()._munge_dirs()
+        for h in self.cluster.hosts:
+            mdir = self.dir / f"munge-{h.name}"
+            if not mdir.is_dir():
+                mdir.mkdir(mode=0o711)
+                shutil.copy2(dirs[0][1] / "munge.key", mdir / "munge.key")
+            dirs.append((f"munged@{h.name}", mdir))
+        return dirs
+
     def _where(self, name: str, cmd: List[str]) -> List[str]:
-        if name == "slurmctld":
-            return self.cluster.on_host(0, cmd)
-        if name.startswith("slurmd@"):
-            return self.cluster.on_host(name.split("@", 1)[1], cmd)
-        return cmd
+        host = self.cluster.hosts[0].name if name == "slurmctld" else name.split("@", 1)[1] \
+            if name.startswith("slurmd@") else None
+        if host is None:
+            return cmd
+        # this host's munged and its own TmpFS (PMIx puts per-step directories there that would collide)
+        tmpfs = self.dir / f"tmpfs-{host}"
+        tmpfs.mkdir(mode=0o755, exist_ok=True)
+        bind = 'mount --bind "$0" "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
+        return self.cluster.on_host(host, ["sh", "-c", bind, str(self.dir / f"munge-{host}"), str(self.dir / "munge"),
+                                           str(tmpfs), str(self.dir / "tmpfs"), *cmd])
