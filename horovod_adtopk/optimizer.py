@@ -33,6 +33,7 @@ from .exchange import DenseExchange, Exchange, GroupExchange, SparseSender
 from .join import JoinQuery
 from .memory import ErrorFeedback
 from .partial import PartialSparsification
+from .sparsify import dense_contribution
 from .stats import Stats
 
 STATE_KEY = state.STATE_KEY
@@ -202,8 +203,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The gradient for the dense path. A tensor of the sparse path travelling dense (warm-up, partial
         sparsification) goes through its memory: the residual goes along (nothing lost), and momentum
         correction keeps applying its momentum."""
-        if grad is not None and self._memory is not None and (self._sparse_path.get(name) or self._memory.holds(name)):
-            grad.copy_(self._memory.dense(name, grad))
+        released = None if grad is None else dense_contribution(self._memory, name, grad, self._sparse_path.get(name))
+        if released is not None:
+            grad.copy_(released)
         return p.grad
 
     def _submit_group(self, group: tuple) -> None:
