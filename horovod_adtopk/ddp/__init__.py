@@ -37,7 +37,7 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     from .bucket import BucketExchange, _done
 
     comm = state.comm()
-    if comm.size() == 1:  # nothing to communicate (as Horovod with one process)
+    if comm.size() == 1 and not state.exchange_when_alone:  # nothing to communicate (as Horovod with one process)
         if bucket.is_last():
             state.end_round()
         return _done(bucket.buffer())

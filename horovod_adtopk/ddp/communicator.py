@@ -38,6 +38,7 @@ class ProcessGroupComm:
                                "DistributedDataParallel and the compression state")
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.backend = str(dist.get_backend(self.group)).lower()
+        self._single_ok = True  # whether all_gather_single works here (else all_gather into views)
 
     def size(self) -> int:
         return dist.get_world_size(self.group)
@@ -58,8 +59,17 @@ class ProcessGroupComm:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
 
     def gather_async(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
-        """Every rank's equally sized ``tensor`` into ``out`` (rank order along dim 0)."""
-        return _GATHER_SINGLE(out, tensor, group=self.group, async_op=True).get_future()
+        """Every rank's equally sized 1-D ``tensor`` into ``out`` (rank order). One ``all_gather_single``;
+        where the backend lacks it for these tensors, an ``all_gather`` into views of ``out`` (no copy)."""
+        if self._single_ok:
+            try:
+                return _GATHER_SINGLE(out, tensor, group=self.group, async_op=True).get_future()
+            except (RuntimeError, NotImplementedError) as exc:
+                if "support" not in str(exc).lower():
+                    raise
+                self._single_ok = False
+        views = list(out.view(self.size(), -1).unbind(0))
+        return dist.all_gather(views, tensor, group=self.group, async_op=True).get_future()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Blocking: every rank's equally sized 1-D ``tensor``, concatenated in rank order."""

@@ -61,14 +61,21 @@ class CompressionState:
         warmup_steps: the first N communication rounds send every gradient dense (PyTorch's PowerSGD hook
             calls it ``start_powerSGD_iter``); its memory (and momentum correction) keeps running.
         named_parameters: ``model.named_parameters()`` of the module DDP wraps (optional, see above).
+        exchange_when_alone: with one process, run the whole exchange anyway (compression, error feedback,
+            the collectives over a group of one) instead of passing gradients through untouched; for checking
+            a backend end to end on a single device (``scripts/gpu_check.sh`` does, over NCCL).
     """
 
-    def __init__(self, process_group=None, compression=None, warmup_steps: int = 0, named_parameters=None) -> None:
+    def __init__(self, process_group=None, compression=None, warmup_steps: int = 0, named_parameters=None,
+                 exchange_when_alone: bool = False) -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         self.process_group = process_group
         self.compression = _check_compression(compression)
         self.warmup_steps = int(warmup_steps)
+        if not isinstance(exchange_when_alone, bool):
+            raise TypeError(f"exchange_when_alone must be True or False, got {exchange_when_alone!r}")
+        self.exchange_when_alone = exchange_when_alone
         self.round = 0  # communication rounds completed: drives the warm-ups, ADTopk-I, Random-k's seeds
         sparse = is_sparse(self.compression)
         self.dense_compression = None if sparse else self.compression
