@@ -12,7 +12,7 @@ tensor modules (``horovod_adtopk.selection``, ``wire``, ``models``, ``datasets``
 not installed (e.g. a GPU box used only for kernel benchmarks). ``hat.ddp`` is the PyTorch DDP engine (a
 communication hook, :mod:`horovod_adtopk.ddp`), also without Horovod.
 """
-__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "ddp"]
+__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "broadcast_parameters", "ddp"]
 __version__ = "0.1.0"
 
 
@@ -26,4 +26,7 @@ def __getattr__(name):
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer
+    if name == "broadcast_parameters":
+        from .functions import broadcast_parameters
+        return broadcast_parameters
     raise AttributeError(f"module 'horovod_adtopk' has no attribute {name!r}")

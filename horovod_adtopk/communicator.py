@@ -50,9 +50,19 @@ class Communicator:
     def allgather_async(self, tensor: torch.Tensor, name: str):
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def sparse_allreduce_async(self, tensor: torch.Tensor, name: str, op):
+        """Horovod's aggregation of a sparse (COO) gradient: values and indices allgathered, averaged for
+        ``hvd.Average``; :meth:`wait` returns the aggregated sparse tensor."""
+        return hvd.sparse_allreduce_async(tensor, name=name, op=op, process_set=self.process_set)
+
+    def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str):
+        return hvd.broadcast_async_(tensor, root_rank, name=name, process_set=self.process_set)
+
     @staticmethod
     def wait(handle) -> Any:
         try:
+            if callable(handle):  # sparse_allreduce_async hands back a function that waits
+                return handle()
             return hvd.synchronize(handle)
         except HorovodInternalError as exc:
             raise PeerLostError(f"horovod_adtopk: a collective failed; a peer rank was probably lost (killed, "

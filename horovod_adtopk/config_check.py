@@ -10,13 +10,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import List
+from typing import List, Optional
 
 import torch
 
 #: top-level settings compared one by one in the error message (``params`` is compared per parameter)
 SETTINGS = ("compression", "op", "backward_passes_per_step", "gradient_predivide_factor", "groups",
             "sparse_as_dense", "partial_sparsification", "profile_rounds", "warmup_steps", "process_set")
+
+
+def describe(compression: dict, op, backward_passes_per_step: int, gradient_predivide_factor: float,
+             groups: Optional[dict], names: dict, sparse_as_dense: bool, partial, warmup_steps: int,
+             process_set_size: Optional[int], infos: dict) -> dict:
+    """The optimizer's description: every setting that decides which collectives run (``groups``: the
+    explicit groups ``{param: group}`` or None; ``names``: ``{param: name}``; ``infos``: name -> TensorInfo)."""
+    return {"compression": compression, "op": str(op), "backward_passes_per_step": backward_passes_per_step,
+            "gradient_predivide_factor": gradient_predivide_factor,
+            "groups": sorted([names[p] for p in g] for g in set(groups.values())) if groups is not None else None,
+            "sparse_as_dense": sparse_as_dense, "partial_sparsification": partial is not None,
+            "profile_rounds": partial.profile_rounds if partial is not None else None,
+            "warmup_steps": warmup_steps, "process_set": process_set_size,
+            "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(infos.items())}}
 
 
 def digest(description: dict) -> int:

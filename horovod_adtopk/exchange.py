@@ -9,6 +9,8 @@ then :meth:`Exchange.finish`, which waits and writes the aggregated gradient int
 - :class:`SparseExchange`: one packed ``uint8`` payload per rank, allgathered (plus an 8-byte count for
   variable-size rules), unpacked and scatter-added by :func:`aggregate_blocks`.
 - :class:`SharedExchange`: values at positions every rank knows (Random-k), summed by allreduce.
+- :class:`SparseGradExchange`: a sparse (COO) gradient, e.g. ``nn.Embedding(sparse=True)``'s, aggregated
+  as Horovod does it (values and indices allgathered, averaged for ``hvd.Average``), handed back sparse.
 
 :class:`SparseSender` builds the sparse ones: error feedback -> selection -> wire -> collective.
 """
@@ -78,6 +80,23 @@ class GroupExchange(Exchange):
         outputs = self.comm.wait(self.handle)
         for p, out, ctx in zip(self.params, outputs, self.ctx):
             _store(p.grad, self.compression.decompress(out, ctx))
+
+
+class SparseGradExchange(Exchange):
+    """A sparse (COO) gradient through Horovod's own sparse allreduce, exactly as ``hvd.DistributedOptimizer``
+    carries it without ``sparse_as_dense`` (so the result, and e.g. ``torch.optim.SparseAdam``'s update, is
+    bitwise the stock one). No compressor or memory applies: the gradient is already sparse."""
+
+    def __init__(self, comm, p, name: str, op) -> None:
+        self.params, self.comm = (p,), comm
+        grad = p.grad
+        self.elements = grad._values().numel()
+        self.bytes = payload_bytes(grad._indices()) + payload_bytes(grad._values())
+        self.handle = comm.sparse_allreduce_async(grad, f"hat.sparsegrad.{name}", op)
+
+    def finish(self) -> None:
+        aggregated = self.comm.wait(self.handle)
+        self.params[0].grad.zero_().add_(aggregated)  # sparse tensors have no set_(): Horovod's equivalent
 
 
 class SparseExchange(Exchange):

@@ -9,7 +9,7 @@ the query, so its round trip overlaps the backward pass.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import horovod.torch as hvd
@@ -40,3 +40,32 @@ class JoinQuery:
 
     def reset(self) -> None:
         self.joined, self._handle = None, None
+
+
+class JoinGate:
+    """This round's :class:`JoinQuery` and the tensors waiting for its answer.
+
+    A gradient hook that must know the answer (its tensor would be allgathered) but finds the query still in
+    flight :meth:`hold`-s its tensor instead of blocking; a later hook, or ``synchronize()``, sends the held
+    tensors once the answer is in (:meth:`release`)."""
+
+    def __init__(self, comm) -> None:
+        self.query = JoinQuery(comm)
+        self.waiting: List[object] = []
+
+    def answer(self, wait: bool) -> Optional[bool]:
+        return self.query.answer(wait)
+
+    def hold(self, item) -> None:
+        self.waiting.append(item)
+
+    def release(self) -> List[object]:
+        """The held items, once the query has answered (they leave the gate); else nothing."""
+        if not self.waiting or self.query.answer(wait=False) is None:
+            return []
+        items, self.waiting = self.waiting, []
+        return items
+
+    def reset(self) -> None:
+        self.query.reset()
+        self.waiting.clear()

@@ -24,16 +24,17 @@ from typing import Dict, List, Optional
 
 import torch
 import horovod.torch as hvd
+import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
 from . import config_check, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
-from .exchange import DenseExchange, Exchange, GroupExchange, SparseSender
-from .join import JoinQuery
+from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
+from .intake import GradientIntake
+from .join import JoinGate
 from .memory import ErrorFeedback
 from .partial import PartialSparsification
-from .sparsify import dense_contribution
 from .stats import Stats
 
 STATE_KEY = state.STATE_KEY
@@ -52,12 +53,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse = is_sparse(compression)
         self._dense_compression = NoneCompressor if self._sparse else compression
         self._parameter_names = {v: k for k, v in sorted(named, key=lambda kv: kv[0])}
-        self.backward_passes_per_step = backward_passes_per_step
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
-        self.warmup_steps = warmup_steps
+        self.backward_passes_per_step, self.op, self.gradient_predivide_factor = backward_passes_per_step, op, \
+            gradient_predivide_factor
+        self.sparse_as_dense, self.process_set, self.warmup_steps = sparse_as_dense, process_set, warmup_steps
         self._comm = Communicator(process_set)
         self._stats = Stats()
         # Rank-private memory of what was not sent; every rule with error feedback has one.
@@ -72,8 +70,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._config_checked = False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
-        self._join = JoinQuery(self._comm)  # has a member called hvd.join()? asked once per round
-        self._waiting: List[torch.Tensor] = []  # sparse tensors whose hook came before the join query's answer
+        self._join = JoinGate(self._comm)  # has a member called hvd.join()? asked once per round
+        self._intake = GradientIntake(self._parameter_names, sparse_as_dense, self._memory)
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
                        for p, name in self._parameter_names.items() if p.requires_grad and _floating(p, name)}
         self._sparse_path: Dict[str, bool] = {}
@@ -85,7 +83,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = set()
-        self._densified = set()  # parameters whose sparse gradient travels dense this round (sparse_as_dense)
         if self._communicating:
             for group in self.param_groups:
                 for p in group["params"]:
@@ -112,19 +109,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sender.profile = self._partial if self._partial is not None and self._partial.profiling else None
 
     def _describe(self) -> dict:
-        """Everything that decides which collectives run (checked across ranks before the first one)."""
-        names = self._parameter_names
-        return {"compression": _describe_compression(self._compression), "op": str(self.op),
-                "backward_passes_per_step": self.backward_passes_per_step,
-                "gradient_predivide_factor": self.gradient_predivide_factor,
-                "groups": (sorted([names[p] for p in g] for g in set(self._groups.values()))
-                           if self._groups_given else None),
-                "sparse_as_dense": self.sparse_as_dense,
-                "partial_sparsification": self._partial is not None,
-                "profile_rounds": self._partial.profile_rounds if self._partial is not None else None,
-                "warmup_steps": self.warmup_steps,
-                "process_set": self._comm.size() if self._comm.included() else None,
-                "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(self._infos.items())}}
+        return config_check.describe(
+            _describe_compression(self._compression), self.op, self.backward_passes_per_step,
+            self.gradient_predivide_factor, self._groups if self._groups_given else None, self._parameter_names,
+            self.sparse_as_dense, self._partial, self.warmup_steps,
+            self._comm.size() if self._comm.included() else None, self._infos)
 
     def _make_hook(self, p):
         def hook(*_):
@@ -138,9 +127,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             group = self._groups.get(p)
             if group is None:
                 self._handles[p] = self._submit(p, wait=False)
-                if self._handles[p] is None:
-                    self._waiting.append(p)
-                self._send_waiting()
+                if self._handles[p] is None:  # waits for this round's join query (horovod_adtopk.join)
+                    self._join.hold(p)
+                for q in self._join.release():
+                    self._handles[q] = self._submit(q)
                 return
             self._group_ready[group] += 1
             self._handles[p] = None
@@ -155,23 +145,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _take_grad(self, p) -> Optional[torch.Tensor]:
-        """This rank's gradient of ``p``, or None when it has none (frozen, or unused in this forward pass).
-        ``p.grad`` is then zeros (Horovod's rule), ready to receive what the other ranks send."""
-        name = self._parameter_names[p]
-        if not p.requires_grad or p.grad is None:
-            p.grad = torch.zeros_like(p)
-            return None
-        if p.grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise TypeError(f"parameter {name!r} has a sparse gradient (e.g. nn.Embedding(sparse=True)); pass "
-                                "sparse_as_dense=True to hat.DistributedOptimizer to send it as a dense gradient")
-            p.grad = p.grad.to_dense()
-            self._densified.add(p)
-        if not p.grad.is_floating_point():
-            raise TypeError(f"gradient of {name!r} has dtype {p.grad.dtype}; a floating dtype is needed")
-        return p.grad
-
     def _submit(self, p, wait: bool = True) -> Optional[Exchange]:
         """The exchange of ``p`` for this round. From a hook (``wait=False``) a sparse tensor may get None:
         it waits for this round's join query (:mod:`horovod_adtopk.join`) and is sent by a later hook or by
@@ -179,39 +152,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._check_config()
         name = self._parameter_names[p]
         sparse = self._sparse and self._sparse_path.get(name) and self._round >= self.warmup_steps
-        if sparse:
+        gathers_sparse_grad = self._intake.gathers_sparse(p)
+        if sparse or gathers_sparse_grad:  # both allgather, which no member may do while one has joined
             joined = self._join.answer(wait)
             if joined is None:
                 return None
-            sparse = not joined
-        grad = self._take_grad(p)
+            sparse, gathers_sparse_grad = sparse and not joined, gathers_sparse_grad and not joined
+        if gathers_sparse_grad:
+            exchange = SparseGradExchange(self._comm, p, name, self.op)
+            self._stats.record(name, p.numel(), exchange.elements, exchange.bytes)
+            return exchange
+        grad = self._intake.take(p)
         if sparse:
             return self._sender.send(p, grad, self._infos[name], self._round)
-        exchange = DenseExchange(self._comm, p, self._dense_grad(name, p, grad), self._dense_compression, name,
-                                 self.op, self._scales())
+        grad = self._intake.dense(name, p, grad, self._sparse_path.get(name, False))
+        exchange = DenseExchange(self._comm, p, grad, self._dense_compression, name, self.op, self._scales())
         self._stats.record(name, p.numel(), p.numel(), exchange.bytes)
         return exchange
-
-    def _send_waiting(self) -> None:
-        """Send the sparse tensors that waited for this round's join query, once it has answered."""
-        if self._waiting and self._join.answer(wait=False) is not None:
-            for q in self._waiting:
-                self._handles[q] = self._submit(q)
-            self._waiting.clear()
-
-    def _dense_grad(self, name: str, p, grad: Optional[torch.Tensor]) -> torch.Tensor:
-        """The gradient for the dense path. A tensor of the sparse path travelling dense (warm-up, partial
-        sparsification) goes through its memory: the residual goes along (nothing lost), and momentum
-        correction keeps applying its momentum."""
-        released = None if grad is None else dense_contribution(self._memory, name, grad, self._sparse_path.get(name))
-        if released is not None:
-            grad.copy_(released)
-        return p.grad
 
     def _submit_group(self, group: tuple) -> None:
         self._check_config()
         names = [self._parameter_names[p] for p in group]
-        grads = [self._dense_grad(n, p, self._take_grad(p)) for n, p in zip(names, group)]
+        grads = [self._intake.dense(n, p, self._intake.take(p), self._sparse_path.get(n, False))
+                 for n, p in zip(names, group)]
         exchange = GroupExchange(self._comm, group, grads, self._dense_compression, names[0], self.op, self._scales())
         for n, p, nbytes in zip(names, group, exchange.bytes):
             self._stats.record(n, p.numel(), p.numel(), nbytes)
@@ -242,35 +205,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = self._submit(p)
             elif group not in self._handles:
                 self._submit_group(group)
-        exchanges = [self._handles[k] for k in sorted(self._handles, key=self._order)]
+        first_name = lambda k: self._parameter_names[k[0] if isinstance(k, tuple) else k]  # noqa: E731
+        exchanges = [self._handles[k] for k in sorted(self._handles, key=first_name)]
         for exchange in exchanges:
             exchange.advance()
         for exchange in exchanges:
             exchange.finish()
-        for p in self._densified:  # as Horovod: a sparse gradient comes back sparse (e.g. for SparseAdam)
-            p.grad = p.grad.to_sparse()
-        self._densified.clear()
+        self._intake.restore()  # as Horovod: a sparse gradient comes back sparse (e.g. for SparseAdam)
         self._end_round()
 
-    def _order(self, key) -> str:
-        return self._parameter_names[key[0] if isinstance(key, tuple) else key]
-
     def _end_round(self) -> None:
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        for group in self._group_ready:
-            self._group_ready[group] = 0
+        self._reset_delays()
+        self._group_ready = dict.fromkeys(self._group_ready, 0)
         self._handles.clear()
-        self._waiting.clear()
         self._join.reset()
         if self._sender is not None and self._sender.scrub_nonfinite():
             self._stats.nonfinite_steps += 1
         self._round += 1
         self._stats.steps += 1
-        if self._partial is not None and self._partial.profiling and self._round >= self._partial.profile_rounds:
-            sparse = [n for n, s in self._sparse_path.items() if s]
-            self._partial.decide(self._comm, self._compression, self._infos, sparse, self._partial.profile_rounds,
-                                 hvd.Sum, hvd.Average)
+        if self._partial is not None and self._partial.decide_after(self._round, self._comm, self._compression,
+                                                                    self._infos, self._sparse_path, hvd.Sum, hvd.Average):
             self._plan_paths()
         self._synchronized = True
 
@@ -303,8 +257,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
+        self._reset_delays()
+
+    def _reset_delays(self) -> None:
         for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+            self._allreduce_delay[p] = self.backward_passes_per_step
 
     # --- state --------------------------------------------------------------------------------------------------
     def _wrap_state(self, ranks: dict) -> dict:
@@ -330,22 +287,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         self._join.reset()
-        self._waiting.clear()
         ours = state_dict.pop(STATE_KEY, None)
-        entry = None
-        if ours is not None:  # validated before anything changes
-            entry = state.unwrap(ours, _describe_compression(self._compression),
-                                 self._comm.rank() if self._comm.included() else 0, self._world(),
-                                 self._sparse and self._memory is not None)
-            if entry is not None and self._memory is not None:
-                shapes = {n: i.shape for n, i in self._infos.items()}
-                ErrorFeedback(self._memory.momentum).load_state_dict(entry["memory"], shapes=shapes)
+        entry = None if ours is None else state.unwrap(  # validated before anything changes
+            ours, _describe_compression(self._compression), self._comm.rank() if self._comm.included() else 0,
+            self._world(), self._memory, {n: i.shape for n, i in self._infos.items()})
         super(self.__class__, self).load_state_dict(state_dict)
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_delays()
         if ours is None:
             return
         self._round = int(ours["round"])
@@ -356,8 +306,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.reset_compression_state()
             return
         if self._memory is not None:
-            devices = {self._parameter_names[p]: p.device for p in self._parameter_names}
-            self._memory.load_state_dict(entry["memory"], devices)
+            self._memory.load_state_dict(entry["memory"], {n: p.device for p, n in self._parameter_names.items()})
         if self._sparse:
             self._compression.load_state_dict(entry["compressor"])
 
@@ -374,9 +323,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sender.nonfinite.clear()
         self._handles = {}
         self._join.reset()
-        self._waiting.clear()
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_delays()
         self._config_checked = False
         self._plan_paths()
         self._description = self._describe()  # the process set's size may have changed
@@ -384,10 +331,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def stats(self) -> dict:
         """Cumulative counters of this rank (see :mod:`horovod_adtopk.stats`)."""
         out = self._stats.as_dict()
-        out["compressor"] = _describe_compression(self._compression)
-        out["world_size"] = self._world()
-        out["round"] = self._round
-        out["kernels"] = _kernel_backends()
+        out.update(compressor=_describe_compression(self._compression), world_size=self._world(), round=self._round,
+                   kernels=_kernel_backends())
         if self._partial is not None:
             out["partial_sparsification"] = self._partial.report
         return out
@@ -529,8 +474,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                      warmup_steps, sparse_as_dense, partial_sparsification)
     namespace = dict(_DistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state() initialises a fresh optimizer by stepping the *wrapped* class when the
-    # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there.
-    namespace["__module__"] = hvd.DistributedOptimizer.__module__
+    # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there. The
+    # module itself, not whatever ``hvd.DistributedOptimizer`` is bound to now: after the common monkeypatch
+    # ``hvd.DistributedOptimizer = hat.DistributedOptimizer`` that would name this module, and ranks whose
+    # optimizer has no state yet would start a collective the others never join (a silent hang).
+    namespace["__module__"] = _horovod_optimizer.__name__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,

@@ -53,6 +53,15 @@ class PartialSparsification:
             best = min(best, time.perf_counter() - start)
         return best
 
+    def decide_after(self, rounds_done: int, comm, compression, infos: dict, sparse_path: Dict[str, bool], op_sum,
+                     op_average) -> bool:
+        """Collective: once ``profile_rounds`` rounds are done, decide (see :meth:`decide`); True if it did."""
+        if not self.profiling or rounds_done < self.profile_rounds:
+            return False
+        self.decide(comm, compression, infos, [n for n, s in sparse_path.items() if s], self.profile_rounds, op_sum,
+                    op_average)
+        return True
+
     def decide(self, comm, compression, infos: dict, sparse_names: List[str], rounds: int, op_sum,
                op_average) -> dict:
         """Collective: measure the link, average every number over the ranks, decide; returns the report."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
+from .memory import ErrorFeedback
+
 STATE_KEY = "horovod_adtopk"
 STATE_FORMAT = 1
 
@@ -29,9 +31,13 @@ def wrap(round_: int, world_size: int, description: dict, ranks: dict, partial_r
             "ranks": ranks, "partial_sparsification": partial_report}
 
 
-def unwrap(ours: dict, description: dict, rank: int, size: int, has_memory: bool) -> Optional[dict]:
-    """Validate a saved state against this optimizer; return this rank's entry, or None (with a warning
-    when memory is lost) if the state has none for this rank of this world size."""
+def unwrap(ours: dict, description: dict, rank: int, size: int, memory=None,
+           shapes: Optional[dict] = None) -> Optional[dict]:
+    """Validate a saved state against this optimizer (its compression ``description``, its error-feedback
+    ``memory`` or None, its parameter ``shapes``: name -> shape); return this rank's entry, or None (with a
+    warning when memory is lost) if the state has none for this rank of this world size. Nothing is changed:
+    a state that does not fit raises here."""
+    has_memory = memory is not None
     if ours.get("format") != STATE_FORMAT:
         raise ValueError(f"unknown horovod_adtopk state format {ours.get('format')!r}; expected {STATE_FORMAT}")
     saved = ours.get("compression")
@@ -46,4 +52,6 @@ def unwrap(ours: dict, description: dict, rank: int, size: int, has_memory: bool
                           "this rank's error-feedback memory starts empty. Save with opt.gather_state_dict() "
                           "to keep every rank's memory.")
         return None
+    if memory is not None:  # a dry run on a scratch memory: refuses memory that does not fit the model
+        ErrorFeedback(memory.momentum).load_state_dict(entry["memory"], shapes=shapes)
     return entry

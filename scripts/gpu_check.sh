@@ -93,7 +93,6 @@ import time
 DRY = os.environ.get("GPU_CHECK_DRY", "0") == "1"
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-sys.path.insert(0, os.getcwd())
 
 import torch  # noqa: E402
 

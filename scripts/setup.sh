@@ -106,7 +106,7 @@ fi
 # 4. Native CPU kernels (horovod_adtopk._C), built in place once per source, torch and Python, cached -------
 NATIVE_HASH=$(cat horovod_adtopk/csrc/*.cpp setup.py | sha256sum | cut -c1-16)
 NATIVE_DIR="$CACHE/native-${NATIVE_HASH}_torch-${TORCH_VER//+/_}_${PY_TAG}"
-if "$PY" -c "import sys; sys.path.insert(0, '$ROOT'); from horovod_adtopk import _C" 2>/dev/null \
+if (cd "$ROOT" && "$PY" -c "from horovod_adtopk import _C") 2>/dev/null \
     && [ "$(cat "$VENV/.native-key" 2>/dev/null)" = "$NATIVE_DIR" ]; then
   say "native kernels already built"
 elif ls "$NATIVE_DIR"/_C*.so >/dev/null 2>&1; then

@@ -581,3 +581,108 @@ def process_set_cases(args, outdir):
         out[label] = {"shapes": shapes}
     hvd.remove_process_set(ps)
     return out
+
+
+# --- issue 21: Horovod's sparse-embedding scenario without sparse_as_dense, the monkeypatch, channels_last ------
+
+def _uneven_lookups(rank, t):
+    """Horovod's test_sparse_embeddings inputs (a different number of indices per rank), varied per step."""
+    base = torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]]) if rank == 0 else torch.LongTensor([[1, 3, 4], [4, 7, 9]])
+    return (base + t) % 10
+
+
+def case_sparse_grad_like_stock(arrays, comp, sparse_as_dense):
+    """nn.Embedding(sparse=True) + SparseAdam through stock hvd.DistributedOptimizer and through ours: per step
+    the local sparse gradient, the aggregate (must stay sparse) and the parameters, for both."""
+    rank = hvd.rank()
+    out = {}
+    for how in ("stock", "ours"):
+        torch.manual_seed(11)
+        model = torch.nn.Embedding(10, 3, sparse=True).double()
+        base = torch.optim.SparseAdam(model.parameters(), lr=0.1)
+        kwargs = dict(named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+        opt = (hvd.DistributedOptimizer(base, **kwargs) if how == "stock" else
+               hat.DistributedOptimizer(base, compression=_compression(comp), **kwargs))
+        sparse_after = []
+        for t in range(3):
+            opt.zero_grad()
+            model(_uneven_lookups(rank, t)).pow(2).sum().backward()
+            arrays[f"{how}/g/{t}"] = model.weight.grad.to_dense().numpy().copy()
+            opt.synchronize()
+            sparse_after.append(bool(model.weight.grad.is_sparse))
+            arrays[f"{how}/out/{t}"] = model.weight.grad.to_dense().numpy().copy()
+            with opt.skip_synchronize():
+                opt.step()
+        arrays[f"{how}/final"] = model.weight.detach().numpy().copy()
+        out[how] = {"sparse_after": sparse_after, "final": _digest([model.weight])}
+        if how == "ours":
+            out["stats"] = {n: t["path"] for n, t in opt.stats()["tensors"].items()}
+            out["bytes_sent"] = opt.stats()["bytes_sent"]
+    return out
+
+
+def case_monkeypatch_broadcast_state(arrays, comp):
+    """``hvd.DistributedOptimizer = hat.DistributedOptimizer``; rank 0 alone loads a checkpoint (has optimizer
+    state), the others start fresh; hvd.broadcast_optimizer_state must finish on every rank (it used to call our
+    step() on the fresh ranks only: a collective the others never joined)."""
+    rank = hvd.rank()
+    original = hvd.DistributedOptimizer
+    hvd.DistributedOptimizer = hat.DistributedOptimizer
+    try:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).double()
+        if rank == 0:  # a checkpoint of a previous (single-process) run: Adam state for every parameter
+            warm = torch.optim.Adam(model.parameters(), lr=0.01)
+            model(_data(0, 0, 8, 16)).pow(2).sum().backward()
+            warm.step()
+            checkpoint = warm.state_dict()
+            model.zero_grad()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), compression=_compression(comp))
+        if rank == 0:
+            opt.load_state_dict(checkpoint)
+        start = time.time()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        seconds = time.time() - start
+        state_digest = _digest([opt.state[p]["exp_avg"] for p in model.parameters()])
+        for t in range(3):
+            opt.zero_grad()
+            model(_data(rank, t + 1, 8, 16)).pow(2).sum().backward()
+            opt.step()
+        return {"class_module": type(opt).__module__, "is_ours": isinstance(opt, torch.optim.Adam) and
+                hasattr(opt, "stats"), "broadcast_seconds": seconds, "state": state_digest,
+                "final": _digest(list(model.parameters()))}
+    finally:
+        hvd.DistributedOptimizer = original
+
+
+def case_channels_last_broadcast(arrays, comp):
+    """A channels_last ResNet-style model: stock hvd.broadcast_parameters refuses it; hat.broadcast_parameters
+    makes every rank start from rank 0's weights and keeps the layout; then training stays bitwise identical."""
+    from examples.models import ResNetCNN
+    rank = hvd.rank()
+    torch.manual_seed(100 + rank)  # different initial weights on every rank
+    model = ResNetCNN(widths=(8, 16), blocks_per_stage=1).to(memory_format=torch.channels_last)
+    conv = [n for n, p in model.named_parameters() if p.dim() == 4]
+    mine = _digest([p for p in model.state_dict().values()])
+    root = hvd.broadcast_object(mine, root_rank=0, name="cl.root")
+    stock_error = _error_of(lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0))
+    hat.broadcast_parameters(model.state_dict(), root_rank=0)
+    after = _digest([p for p in model.state_dict().values()])
+    params = dict(model.named_parameters())
+    layout_kept = (all(params[n].is_contiguous(memory_format=torch.channels_last) for n in conv)
+                   and any(not params[n].is_contiguous() for n in conv))  # most 3x3 convs are not row-major
+    opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                   named_parameters=model.named_parameters(), compression=_compression(comp))
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, 1, 28, 28, generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (4,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"mine": mine, "root": root, "after": after, "stock_error": stock_error, "layout_kept": layout_kept,
+            "conv_params": len(conv), "final": _digest(list(model.parameters())),  # BN running stats stay local
+            "sparse": sorted(n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse")}

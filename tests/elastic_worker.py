@@ -1,4 +1,5 @@
-"""Horovod elastic training with hat.DistributedOptimizer (run by tests/test_elastic.py under horovodrun).
+"""Horovod elastic training with hat.DistributedOptimizer (run by tests/test_elastic.py under horovodrun as
+``python -m tests.elastic_worker`` from the repository root).
 
 Trains a small model; rank 0 creates ``$HAT_ELASTIC_DIR/shrink`` at batch 15, which makes the host discovery
 script drop one slot. Each rank appends one JSON line per committed batch to ``$HAT_ELASTIC_DIR/log.jsonl``
@@ -7,15 +8,13 @@ with its world size and a digest of its parameters.
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import horovod.torch as hvd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import horovod_adtopk as hat  # noqa: E402
+import horovod_adtopk as hat
 
 OUT = Path(os.environ["HAT_ELASTIC_DIR"])
 TOTAL = 40

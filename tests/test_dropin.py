@@ -40,6 +40,12 @@ CASES += [["frozen_ad", "frozen", {"comp": AD01}], ["frozen_none", "frozen", {"c
           ["bf16_none", "bf16_dense", {"comp": "none"}], ["bf16_ad", "bf16_dense", {"comp": AD01}],
           ["fp16", "fp16_clamp", {}], ["load", "load_mismatch", {}], ["stock_class", "stock_with_class", {}],
           ["signature", "signature", {}]]
+# issue 21: Horovod's test_sparse_embeddings without sparse_as_dense, the monkeypatch, channels_last broadcast
+CASES += [[f"sgs_{tag}_{int(sad)}", "sparse_grad_like_stock", {"comp": c, "sparse_as_dense": sad}]
+          for tag, c in COMPS.items() for sad in (False, True)]
+CASES += [["monkeypatch_ad", "monkeypatch_broadcast_state", {"comp": AD}],
+          ["monkeypatch_none", "monkeypatch_broadcast_state", {"comp": "none"}],
+          ["cl_bcast", "channels_last_broadcast", {"comp": AD}]]
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +291,7 @@ def test_sparse_embedding(batch, tag):
         for n in res[0]["shapes"]:  # sparse=True with sparse_as_dense trains as the dense embedding (SGD's
             # sparse update rounds differently from its dense one, as with stock Horovod)
             np.testing.assert_allclose(d[f"final1/{n}"], d[f"final0/{n}"], rtol=1e-12, atol=1e-12)
-        assert "sparse_as_dense=True" in r["error"]
+        assert r["error"] is None  # without sparse_as_dense: Horovod's sparse allreduce (test_sparse_grad_*)
     assert res[0]["final1"] == res[1]["final1"]
     for d in data:  # as Horovod: the aggregate of a sparse gradient comes back sparse (SparseAdam needs it)
         assert all(f"sparse1/sparse_grad/{t}/embed.weight" in d for t in range(3))
@@ -412,3 +418,50 @@ def test_process_set_of_two_out_of_three():
         for t in range(3):  # rank 2 is no member: its gradients are its own
             for n in shapes:
                 np.testing.assert_array_equal(data[2][f"out/{t}/{n}"], data[2][f"g/{t}/{n}"])
+
+
+# --- issue 21 ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tag", ["none", "ad"])
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_like_stock_horovod(batch, tag, sparse_as_dense):
+    """Horovod's test_sparse_embeddings (uneven indices per rank, SparseAdam), 3 steps: the aggregate is the
+    numpy average of the ranks' gradients, comes back sparse, and (stock's path: no sparse_as_dense, or a dense
+    compressor) every parameter is bitwise what stock hvd.DistributedOptimizer gives."""
+    res, data = case(batch, f"sgs_{tag}_{int(sparse_as_dense)}")
+    for r in res:
+        assert r["stock"]["sparse_after"] == [True] * 3 and r["ours"]["sparse_after"] == [True] * 3
+    assert len({r["ours"]["final"] for r in res}) == 1  # ranks agree
+    for t in range(3):
+        for how in ("stock", "ours") if tag == "none" or not sparse_as_dense else ("stock",):
+            expected = np.mean([d[f"{how}/g/{t}"] for d in data], axis=0)
+            for d in data:
+                np.testing.assert_allclose(d[f"{how}/out/{t}"], expected, rtol=1e-12, atol=1e-15)
+    if tag == "none" or not sparse_as_dense:
+        for d in data:
+            np.testing.assert_array_equal(d["ours/final"], d["stock/final"])
+            np.testing.assert_array_equal(d["ours/out/0"], d["stock/out/0"])
+        assert res[0]["ours"]["final"] == res[0]["stock"]["final"]
+    else:  # ADTopk on the densified gradient (a compressed update, so not stock's bits)
+        assert res[0]["stats"]["weight"] == "sparse"
+
+
+@pytest.mark.parametrize("tag", ["none", "ad"])
+def test_monkeypatched_broadcast_optimizer_state_after_rank0_checkpoint(batch, tag):
+    res, _ = case(batch, f"monkeypatch_{tag}")
+    for r in res:
+        assert r["is_ours"] and r["class_module"] == "horovod.torch.optimizer"
+        assert r["broadcast_seconds"] < 60
+    assert len({r["state"] for r in res}) == 1  # every rank has rank 0's checkpointed state
+    assert len({r["final"] for r in res}) == 1
+
+
+def test_channels_last_model_broadcast_and_train(batch):
+    res, _ = case(batch, "cl_bcast")
+    for r in res:
+        assert r["stock_error"] is not None and "contiguous" in r["stock_error"]
+        assert r["after"] == res[0]["root"], "every rank starts from rank 0's weights"
+        assert r["layout_kept"] and r["conv_params"] > 0
+        assert r["sparse"], "ADTopk compressed nothing"
+    assert res[0]["mine"] != res[1]["mine"]  # the ranks really started from different weights
+    assert len({r["final"] for r in res}) == 1

@@ -1,11 +1,10 @@
 """Issue 7: Horovod elastic. Three workers on localhost; the host discovery script drops one slot mid-run;
 training continues on two ranks, consistent, with every rank's compression memory reset on the change."""
 import json
-import os
 import stat
 from collections import defaultdict
 
-from tests.harness import HOROVODRUN, REPO, run_command
+from tests.harness import HOROVODRUN, run_command
 import sys
 
 
@@ -14,7 +13,7 @@ def test_elastic_shrink_from_three_to_two(tmp_path):
     discover.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/shrink ]; then echo localhost:2; else echo localhost:3; fi\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
     cmd = [HOROVODRUN, "-np", "3", "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
-           "--host-discovery-script", str(discover), "--gloo", sys.executable, str(REPO / "tests" / "elastic_worker.py")]
+           "--host-discovery-script", str(discover), "--gloo", sys.executable, "-m", "tests.elastic_worker"]
     rc, out, seconds = run_command(cmd, timeout=240, env={"HAT_ELASTIC_DIR": str(tmp_path)})
     assert rc == 0, out[-5000:]
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]

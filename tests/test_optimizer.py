@@ -59,7 +59,6 @@ def test_process_set_of_two_out_of_three():
     ("compressor_mismatch", "gloo", "compression"),
     ("param_set_mismatch", "gloo", "parameters only on rank 1"),
     ("stock_optimizer", "gloo", "horovod_adtopk.DistributedOptimizer"),
-    ("sparse_gradient", "gloo", "sparse gradient"),
 ])
 def test_clear_error_on_every_rank(scenario, controller, needle):
     results = run_ranks("expect_errors", np=2, controller=controller, args={"scenario": scenario}, timeout=90)

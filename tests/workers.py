@@ -149,17 +149,6 @@ def expect_errors(args, outdir):
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        compression=hat.Compression.adtopk(ratio=0.01))
-    elif scenario == "sparse_gradient":
-        model = torch.nn.Embedding(100, 8, sparse=True)
-        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(),
-                                       compression=hat.Compression.adtopk(ratio=0.01))
-        try:
-            model(torch.tensor([1, 2])).sum().backward()
-            opt.step()
-        except Exception as exc:
-            return {"error": type(exc).__name__, "message": str(exc)}
-        return {"error": None}
     else:
         raise ValueError(scenario)
     try:
