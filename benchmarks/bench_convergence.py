@@ -391,6 +391,8 @@ def train_argv_for(args, run: dict, spe: Optional[int]) -> List[str]:
         if uses_ratio(m):
             w = args.density_warmup if args.density_warmup is not None else spe
             argv += ["--density-warmup", str(w), "--density-start", repr(args.density_start)]
+    else:  # train.py's defaults include the recommended warm-up for sparse compressors: turn it off
+        argv += ["--dense-rounds", "0", "--density-warmup", "0"]
     max_steps = args.max_steps_shakespeare if ds == "shakespeare" else args.max_steps_fashion
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]

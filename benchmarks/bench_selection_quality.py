@@ -22,7 +22,7 @@ own slice. Per parameter the package's own rule decides the path (``compressor.c
   (what ``aggregate_blocks`` computes after the allgather). ``step`` is the round counter, starting at 0,
   as the optimizer passes it (ADTopk-I uses ADTopk on even steps).
 
-Optimizer: train.py's default recipe for sparse compressors, DGC momentum correction: the sparse-path
+Optimizer: train.py's momentum-correction recipe for sparse compressors (not its compression warm-up): the sparse-path
 tensors' memories are ``ErrorFeedback(momentum=0.9)`` and those tensors are stepped by SGD WITHOUT
 momentum; dense-path tensors (and every tensor of the dense method) use SGD momentum 0.9. Learning rate:
 linear warm-up from ``--lr`` to ``--lr * W`` over one epoch's steps, times cosine annealing to 0 at the

@@ -85,7 +85,8 @@ def assert_same_tensors(a: dict, b: dict, what: str) -> None:
 @pytest.fixture(scope="module")
 def fashion_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("fashion")
-    rc, out, _ = horovodrun(["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01",
+    # --no-warmup: the 8 steps compress from the first (the default warm-up would send them all dense)
+    rc, out, _ = horovodrun(["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--no-warmup",
                              "--max-steps", 8, "--test-batches", 2, "--checkpoint-dir", d / "ckpt",
                              "--metrics-out", d / "metrics.jsonl"])
     check_ok(rc, out, "fashion-mnist run")
@@ -142,7 +143,9 @@ def test_plot_writes_pngs(fashion_run, tmp_path):
 # --------------------------------------------------------------------------------------------------------
 
 def test_shakespeare_metrics_and_checkpoint(tmp_path):
-    rc, out, _ = horovodrun(["--dataset", "shakespeare", "--max-steps", 4, "--batch-size", 8, "--lstm-hidden", 64,
+    # --no-warmup: the 4 steps compress (and leave residuals) from the first
+    rc, out, _ = horovodrun(["--dataset", "shakespeare", "--no-warmup", "--max-steps", 4, "--batch-size", 8,
+                             "--lstm-hidden", 64,
                              "--test-batches", 1, "--test-batch-size", 16, "--checkpoint-dir", tmp_path / "ckpt",
                              "--metrics-out", tmp_path / "metrics.jsonl"])
     check_ok(rc, out, "shakespeare run")
@@ -207,7 +210,7 @@ def _run_resume_case(tmp_path, common, total, first):
 
 def test_resume_is_bitwise_exact_fashion_mnist(tmp_path):
     common = ["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--test-batches", 1,
-              "--checkpoint-every", 4]
+              "--checkpoint-every", 4, "--no-warmup"]
     _run_resume_case(tmp_path, common, total=12, first=6)
     # periodic checkpoints too, of which the newest two are kept (--keep-checkpoints 2)
     assert sorted(p.name for p in (tmp_path / "A" / "ckpt").glob("ckpt-step*.pt")) == ["ckpt-step12.pt",
@@ -223,7 +226,7 @@ def test_resume_is_bitwise_exact_across_epochs(tmp_path):
     (text_dir / "play.txt").write_text(line * 60)  # 4.7k characters: 277 training windows
     common = ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
               "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 3, "--compressor", "adtopk", "--ratio", "0.05",
-              "--test-batches", 1]
+              "--test-batches", 1, "--no-warmup"]
     a_dir, b_dir = _run_resume_case(tmp_path, common, total=12, first=7)
     a = load_ckpt(latest(a_dir / "ckpt"))
     assert a["epoch"] == 2 and a["batch_in_epoch"] == 2  # 5 steps per epoch: 12 = 2 epochs + 2 batches
@@ -309,6 +312,11 @@ def test_log_lines_and_summary_outputs(tmp_path):
     final = final_of(out)
     assert json.loads(summary.read_text()) == final
     assert final["step"] == 4 and final["final"] is True
+    # the defaults: the recommended warm-up, said at start; its first 50 rounds are dense
+    assert any("compressor adtopk: ratio 0.01, momentum correction 0.9" in line and
+               "compression warm-up: 50 dense rounds, density 0.25 -> 0.01 over 150 rounds" in line
+               for line in lines), out[-4000:]
+    assert final["density"] == 1.0 and final["bytes_sent"] == final["bytes_dense"] > 0
     headline = [line for line in lines if "Final test accuracy" in line]
     assert len(headline) == 1 and headline[0].split("<stdout>:", 1)[-1].startswith("Final test accuracy")
     assert not any(line.startswith("[1]") for line in lines), "rank 1 logged at info level"
@@ -319,7 +327,7 @@ def test_tensorboard_event_file(tmp_path):
         "tensorboard.backend.event_processing.event_accumulator",
         reason="tensorboard is not installed (pip install tensorboard) - --tensorboard is an optional extra")
     tb = tmp_path / "tb"
-    rc, out, _ = horovodrun(["--max-steps", 3, "--test-batches", 1, "--tensorboard", tb])
+    rc, out, _ = horovodrun(["--max-steps", 3, "--test-batches", 1, "--tensorboard", tb, "--no-warmup"])
     check_ok(rc, out, "run with --tensorboard")
     acc = event_accumulator.EventAccumulator(str(tb), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()

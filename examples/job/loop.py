@@ -1,0 +1,183 @@
+"""The training loop: steps, the evaluation at each epoch end (a collective), the metrics lines, the
+periodic checkpoints, and the run's summary."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from .board import tensorboard_record, tensorboard_step
+from .common import LOG
+from .data import compute_loss
+from .logs import ProgressReport, mb
+from .options import describe_compression
+from .resume import save_checkpoint
+from .state import Job, Progress, counter_totals
+
+
+@torch.no_grad()
+def evaluate(job: Job) -> Dict[str, float]:
+    """Collective: each rank scores its share (rank::world) of the test set; sums are allreduced."""
+    args, model = job.args, job.model
+    model.eval()
+    x_all, y_all = job.test_set.tensors
+    mine = torch.arange(job.rank, len(job.test_set), job.world)
+    n_batches = math.ceil(mine.numel() / args.test_batch_size)
+    if args.test_batches is not None:
+        n_batches = min(n_batches, args.test_batches)
+    loss_sum = correct = count = 0.0
+    for b in range(n_batches):
+        idx = mine[b * args.test_batch_size:(b + 1) * args.test_batch_size]
+        x, y = x_all[idx].to(job.device), y_all[idx].to(job.device)
+        logits = model(x)
+        loss_sum += float(compute_loss(logits, y, reduction="sum"))
+        correct += float((logits.argmax(dim=-1) == y).sum())
+        count += y.numel()
+    model.train()
+    totals = job.engine.sum(torch.tensor([loss_sum, correct, count], dtype=torch.float64), name="train.eval")
+    return job.spec.score(*totals.tolist())
+
+
+def _finite(x):
+    return x if not isinstance(x, float) or math.isfinite(x) else None
+
+
+def _fmt(x, spec: str = ".4f") -> str:
+    return "nan" if x is None else format(x, spec)
+
+
+def record(job: Job, progress: Progress, final: bool) -> dict:
+    """Collective: evaluate and aggregate; rank 0 writes the metrics line (the final one in ``report``)."""
+    args = job.args
+    train_loss = job.engine.sum(torch.tensor([progress.loss_sum, float(progress.loss_count)], dtype=torch.float64),
+                                name="train.loss").tolist()
+    res = {"epoch": progress.epoch + 1 if progress.batch else progress.epoch,
+           "epoch_progress": progress.step / job.steps_per_epoch, "step": progress.step,
+           "train_loss": train_loss[0] / train_loss[1] if train_loss[1] else None}
+    res.update(evaluate(job))
+    res["wall_time"] = job.wall(progress)
+    res.update(counter_totals(job, progress))
+    res.update({"compressor": args.compressor, "ratio": args.ratio, "value_dtype": args.value_dtype,
+                "world_size": job.world, "dataset": args.dataset, "model": args.model, "final": final})
+    res = {k: _finite(v) for k, v in res.items()}
+    if job.metrics_file is not None and not final:
+        job.metrics_file.write(json.dumps(res) + "\n")
+        job.metrics_file.flush()
+    tensorboard_record(job, res)
+    job.last_record = res
+    return res
+
+
+def train_step(job: Job, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One optimizer step on the batch ``(x, y)``; returns this rank's loss."""
+    job.opt.zero_grad()
+    loss = compute_loss(job.model(x), y)
+    loss.backward()
+    job.engine.step(job.model, job.opt, job.args.clip_grad)
+    job.scheduler.step()
+    return float(loss.detach())
+
+
+def _end_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
+    report.line(progress)
+    res = record(job, progress, final=progress.step >= job.total_steps or progress.epoch + 1 >= job.args.epochs)
+    LOG.info(f"epoch {progress.epoch + 1}: train loss {_fmt(res['train_loss'])}, {job.spec.describe(res)}, "
+             f"test loss {_fmt(res['test_loss'])}, {res['wall_time']:.1f} s")
+    progress.epoch, progress.batch = progress.epoch + 1, 0
+    progress.loss_sum, progress.loss_count = 0.0, 0
+
+
+def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
+    """Train from ``progress.batch`` to the end of the epoch (or to the last step), checkpointing every
+    ``--checkpoint-every`` steps; at the epoch end evaluate and log the results."""
+    args = job.args
+    job.sampler.set_epoch(progress.epoch)  # reshuffle per epoch
+    order = torch.as_tensor(list(iter(job.sampler)), dtype=torch.int64)
+    x_train, y_train = job.train_set.tensors
+    while progress.step < job.total_steps:
+        idx = order[progress.batch * args.batch_size:(progress.batch + 1) * args.batch_size]
+        x, y = x_train[idx].to(job.device, non_blocking=True), y_train[idx].to(job.device, non_blocking=True)
+        lr = job.opt.param_groups[0]["lr"]
+        loss = train_step(job, x, y)
+        progress.step += 1
+        progress.batch += 1
+        progress.loss_sum += loss
+        progress.loss_count += 1
+        report.step(progress, loss)
+        tensorboard_step(job, progress, loss, lr)
+        epoch_done = progress.batch == job.steps_per_epoch
+        if epoch_done:
+            _end_epoch(job, progress, report)
+        if job.ckpt_dir is not None and args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
+                and progress.step < job.total_steps:
+            save_checkpoint(job, progress)
+        if epoch_done:
+            return
+
+
+def report(job: Job, progress: Progress) -> dict:
+    """The run's summary: written as the last metrics line, to ``--summary-json`` and as the final log line."""
+    res = dict(job.last_record)
+    res["total_seconds"] = time.time() - job.process_start
+    if job.rank != 0:
+        return res
+    text = json.dumps(res)
+    if job.metrics_file is not None:
+        job.metrics_file.write(text + "\n")
+        job.metrics_file.flush()
+    if job.args.summary_json:
+        path = Path(job.args.summary_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    if res["bytes_dense"]:
+        factor = res["bytes_dense"] / res["bytes_sent"] if res["bytes_sent"] else float("inf")
+        traffic = (f"bytes sent {mb(res['bytes_sent'])} vs dense {mb(res['bytes_dense'])} "
+                   f"({factor:.1f}x less), density {res['density']:.4f}")
+    else:
+        traffic = "no gradient communication (one process)"
+    label = job.spec.describe(res)
+    LOG.info(f"Final {label} (test loss {_fmt(res['test_loss'])}) after {progress.step} steps "
+             f"({progress.step / job.steps_per_epoch:.2f} epochs) in {res['wall_time']:.1f} s of training "
+             f"({res['total_seconds']:.1f} s total); {traffic}")
+    if job.args.print_final_json:
+        LOG.info("FINAL " + text)
+    return res
+
+
+def describe_run(job: Job) -> list:
+    """The effective settings, as rank 0 prints them at start (two lines: the run, the compression)."""
+    args, engine = job.args, job.engine
+    return [f"{args.dataset}/{args.model}: {job.world} rank(s) ({engine.init_mode} init, {job.device.type}), "
+            f"batch {args.batch_size}/rank, lr {args.lr} x {job.world} (warm-up {job.warmup} steps, "
+            f"{args.lr_schedule}), {job.steps_per_epoch} steps/epoch, training to step {job.total_steps}",
+            f"compressor {describe_compression(args)}"]
+
+
+def train(job: Job, progress: Progress) -> dict:
+    """Train to ``--epochs`` / ``--max-steps``, evaluate, checkpoint at the end, and report."""
+    args = job.args
+    for line in describe_run(job):
+        LOG.info(line)
+    if job.rank == 0 and args.metrics_out:
+        Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+        job.metrics_file = open(args.metrics_out, "a" if job.last_ckpt_step is not None else "w")
+    job.train_start = time.time()
+    progress_report = ProgressReport(job, progress)
+    job.model.train()
+    try:
+        while progress.step < job.total_steps and progress.epoch < args.epochs:
+            train_epoch(job, progress, progress_report)
+            if progress.batch:  # --max-steps stopped inside the epoch
+                break
+        progress_report.line(progress)
+    finally:
+        progress_report.close()
+    if job.last_record is None or job.last_record["step"] != progress.step:
+        record(job, progress, final=True)
+    if job.ckpt_dir is not None and job.last_ckpt_step != progress.step:
+        save_checkpoint(job, progress)
+    return report(job, progress)

@@ -1,0 +1,225 @@
+"""The job's command line: every flag, its checks, the defaults that depend on the dataset and the
+compressor (among them the recommended compression warm-up), and the one-paragraph summary of the effective
+settings that rank 0 prints at start."""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+import horovod_adtopk as hat
+
+from .data import DATASETS
+
+DESCRIPTION = "Data-parallel training with sparse gradient compression (horovod_adtopk)."
+VALUE_DTYPES = hat.Compression.value_dtypes()
+# The recommended warm-up for the sparse compressors (README, "Which compressor to use"): the first 50
+# optimizer rounds send every gradient dense, and the density falls from --density-start to --ratio over the
+# first 150 rounds. --no-warmup (or --dense-rounds 0 --density-warmup 0) turns it off.
+DENSE_ROUNDS = 50
+DENSITY_WARMUP = 150
+
+
+def _compressor_name(text: str) -> str:
+    return text.strip().lower().replace("-", "_")
+
+
+def _add_compression_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compressor", type=_compressor_name, default="adtopk", choices=hat.Compression.names())
+    p.add_argument("--ratio", type=float, default=0.01, help="density of the sparse compressors")
+    p.add_argument("--value-dtype", choices=sorted(VALUE_DTYPES), default=None,
+                   help="dtype of the sent values (sparse compressors; default: the gradient's dtype)")
+    p.add_argument("--threshold", type=float, default=None, help="magnitude threshold of --compressor threshold")
+    p.add_argument("--dense-rounds", type=int, default=None,
+                   help=f"compression warm-up: send every gradient dense for the first N steps (the optimizer's "
+                        f"warmup_steps; default: {DENSE_ROUNDS} for the sparse compressors, 0 for the others)")
+    p.add_argument("--density-warmup", type=int, default=None,
+                   help=f"sparse compressors: exponential density warm-up over N steps, from --density-start down to "
+                        f"--ratio (DGC's; default: {DENSITY_WARMUP}, 0 for --compressor threshold)")
+    p.add_argument("--density-start", type=float, default=0.25, help="density at the start of --density-warmup")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no compression warm-up: the same as --dense-rounds 0 --density-warmup 0")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="rank of --compressor powersgd")
+    p.add_argument("--min-numel", type=int, default=None,
+                   help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
+
+
+def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total (across epochs and resumes)")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default: 64 fashion-mnist, 32 shakespeare)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="single-rank learning rate; scaled by the number of ranks (default: 0.1 fashion-mnist, 0.5 shakespeare)")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
+                   help="sparse compressors: apply --momentum inside the error-feedback memory of the sparse tensors "
+                        "(DGC's momentum correction) instead of in SGD; dense-path tensors keep SGD momentum "
+                        "(default: on for sparse compressors)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
+                   help="after (and on top of) the warm-up: constant, or cosine annealing to 0 at the end of --epochs")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear lr warm-up from lr to lr*ranks over this many steps (default: one epoch)")
+    p.add_argument("--clip-grad", type=float, default=None,
+                   help="clip the averaged gradient to this global norm; 0: off (default: off / 1.0 for lstm)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even when a GPU is available")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--test-batches", type=int, default=None, help="evaluate on at most this many batches per rank")
+    p.add_argument("--test-batch-size", type=int, default=500)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2,
+                   help="keep the newest N checkpoint files, delete older ones (0: keep all); with 2 or more a "
+                        "damaged newest checkpoint leaves a previous one to resume from")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in --checkpoint-dir")
+    p.add_argument("--metrics-out", default=None,
+                   help="JSONL file: one line per evaluation; the last (\"final\": true) is the run's summary")
+    p.add_argument("--summary-json", default=None, help="also write the run's summary (one JSON object) here")
+    p.add_argument("--print-final-json", action="store_true",
+                   help="also log the summary as a last line 'FINAL {json}' (for scripts reading the log)")
+    p.add_argument("--log-every", type=float, default=10.0,
+                   help="seconds between progress lines when there is no progress bar (0: only at epoch ends)")
+    p.add_argument("--progress", action="store_true",
+                   help="show the live progress bar even when stderr is not a terminal or a launcher runs the job")
+    p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard scalars and a per-layer density histogram here (needs "
+                        "'pip install tensorboard')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of examples/train.py, defaults shown in ``--help``."""
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
+    p.add_argument("--model", default=None,
+                   help="cnn or resnet for fashion-mnist, lstm for shakespeare (default: cnn / lstm)")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: the installed data)")
+    _add_compression_flags(p)
+    _add_optimizer_flags(p)
+    p.add_argument("--seq-len", type=int, default=64, help="shakespeare window length")
+    p.add_argument("--lstm-hidden", type=int, default=256)
+    p.add_argument("--lstm-layers", type=int, default=2)
+    _add_output_flags(p)
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The flags, checked, with every default resolved (``argparse`` exits with status 2 on bad input)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    spec = DATASETS[args.dataset]
+    args.model = (args.model or spec.models[0]).lower()
+    if args.model not in spec.models:
+        p.error(f"--model {args.model} does not fit --dataset {args.dataset}; choose {' or '.join(spec.models)}")
+    for key, value in spec.defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    _check_ranges(p, args)
+    _resolve_warmup(p, args)
+    _resolve_compression(p, args)
+    return args
+
+
+def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.epochs < 1:
+        p.error("--epochs must be >= 1")
+    if args.max_steps is not None and args.max_steps < 0:
+        p.error("--max-steps must be >= 0")
+    for name in ("batch_size", "test_batch_size", "seq_len", "lstm_hidden", "lstm_layers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.test_batches is not None and args.test_batches < 0:
+        p.error("--test-batches must be >= 0")
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be >= 0")
+    if args.keep_checkpoints < 0:
+        p.error("--keep-checkpoints must be >= 0")
+    if args.log_every < 0:
+        p.error("--log-every must be >= 0")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        p.error("--checkpoint-every and --resume need --checkpoint-dir")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
+    if (args.dense_rounds or 0) < 0 or (args.density_warmup or 0) < 0:
+        p.error("--dense-rounds and --density-warmup must be >= 0")
+
+
+def is_sparse_rule(compressor: str) -> bool:
+    """A compressor that sends a fraction ``--ratio`` of the entries (not dense, not PowerSGD's low rank)."""
+    return not hat.Compression.is_dense_name(compressor) and compressor != "powersgd"
+
+
+def _resolve_warmup(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The recommended warm-up for the sparse compressors, unless turned off or given."""
+    if args.no_warmup:
+        if args.dense_rounds or args.density_warmup:
+            p.error("--no-warmup contradicts a non-zero --dense-rounds or --density-warmup; give one or the other")
+        args.dense_rounds = args.density_warmup = 0
+        return
+    sparse = is_sparse_rule(args.compressor)
+    if args.dense_rounds is None:
+        args.dense_rounds = DENSE_ROUNDS if sparse else 0
+    if args.density_warmup is None:
+        # a fixed --threshold has no density to warm up
+        args.density_warmup = DENSITY_WARMUP if sparse and args.compressor != "threshold" else 0
+
+
+def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.compressor != "powersgd":
+        args.powersgd_rank = None
+    if hat.Compression.is_dense_name(args.compressor):
+        args.density_warmup = 0
+        args.density_start = None
+        if args.value_dtype is not None:
+            p.error(f"--value-dtype applies to sparse compressors; --compressor {args.compressor} is dense "
+                    "(use --compressor fp16 for a float16 dense allreduce)")
+        args.ratio = None  # dense: the whole gradient travels
+        args.threshold = None
+        args.min_numel = None
+        if args.momentum_correction:
+            p.error("--momentum-correction needs a sparse compressor")
+        args.momentum_correction = False
+        return
+    if not 0.0 < args.ratio <= 1.0:
+        p.error("--ratio must lie in (0, 1]")
+    if args.compressor == "threshold" and args.threshold is None:
+        p.error("--compressor threshold needs --threshold")
+    if args.compressor != "threshold":
+        args.threshold = None
+    if args.compressor == "powersgd":
+        if args.momentum_correction:
+            p.error("--momentum-correction applies to the sparse compressors; PowerSGD uses SGD momentum")
+        args.momentum_correction = False
+        args.ratio = args.density_start = None
+        args.density_warmup = 0
+    if args.momentum_correction is None:
+        args.momentum_correction = True
+    if args.momentum_correction and not 0.0 <= args.momentum < 1.0:
+        p.error("--momentum-correction needs --momentum in [0, 1)")
+    args.momentum_correction = bool(args.momentum_correction and args.momentum > 0)
+
+
+def describe_compression(args: argparse.Namespace) -> str:
+    """The effective compression settings in words, e.g. ``adtopk: ratio 0.01, momentum correction 0.9;
+    compression warm-up: 50 dense rounds, density 0.25 -> 0.01 over 150 rounds``."""
+    c = args.compressor
+    if hat.Compression.is_dense_name(c):
+        text = f"{c}: dense, SGD momentum {args.momentum}"
+    elif c == "powersgd":
+        text = f"{c}: rank {args.powersgd_rank}, SGD momentum {args.momentum}"
+    else:
+        text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
+        text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
+                 if args.momentum_correction else f", SGD momentum {args.momentum}")
+    parts = []
+    if args.dense_rounds:
+        parts.append(f"{args.dense_rounds} dense rounds")
+    if args.density_warmup:
+        parts.append(f"density {args.density_start} -> {args.ratio} over {args.density_warmup} rounds")
+    if not parts:
+        return f"{text}; no compression warm-up"
+    return f"{text}; compression warm-up: {', '.join(parts)}" + (" (--no-warmup: off)" if is_sparse_rule(c) else "")

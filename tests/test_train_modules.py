@@ -1,0 +1,285 @@
+"""Unit tests of the training job's modules (examples/job/), in this process, without Horovod running.
+
+The job as a whole (2 ranks under horovodrun, resume, checkpoints that fail, the progress output) is
+tests/test_train.py; here each module's own logic, against independent expectations: the flags and their
+resolved defaults, the settings line, the learning-rate schedule, checkpoint files on a real file system,
+the log formatting and when a live bar is drawn, the compressor and SGD groups the engine builds.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import horovod_adtopk as hat
+from examples.job import build, checkpoints, data, engine, logs, options
+from tests.harness import REPO, run_command
+
+TRAIN = str(REPO / "examples" / "train.py")
+
+
+# --------------------------------------------------------------------------------------------------------
+# options: defaults, the recommended warm-up, errors, the settings line
+# --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("compressor", ["adtopk", "topk", "dgc", "randomk", "adtopk_i", "sidco"])
+def test_sparse_compressors_default_to_the_recommended_warmup(compressor):
+    args = options.parse_args(["--compressor", compressor])
+    assert (args.dense_rounds, args.density_warmup, args.density_start) == (50, 150, 0.25)
+    assert args.momentum_correction is True and args.ratio == 0.01
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--compressor", "none"], (0, 0, None)),
+    (["--compressor", "fp16"], (0, 0, None)),
+    (["--compressor", "powersgd"], (0, 0, None)),
+    (["--compressor", "threshold", "--threshold", "0.1"], (50, 0, 0.25)),  # a fixed threshold: no density
+    (["--no-warmup"], (0, 0, 0.25)),
+    (["--dense-rounds", "0", "--density-warmup", "0"], (0, 0, 0.25)),
+    (["--dense-rounds", "7"], (7, 150, 0.25)),
+    (["--density-warmup", "9", "--density-start", "0.5"], (50, 9, 0.5)),
+    (["--compressor", "none", "--dense-rounds", "3", "--density-warmup", "5"], (3, 0, None)),
+    (["--compressor", "powersgd", "--dense-rounds", "20"], (20, 0, None)),
+    (["--no-warmup", "--dense-rounds", "0"], (0, 0, 0.25)),
+])
+def test_warmup_flags_resolve(argv, expected):
+    args = options.parse_args(argv)
+    assert (args.dense_rounds, args.density_warmup, args.density_start) == expected
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no-warmup", "--dense-rounds", "5"], "--no-warmup contradicts"),
+    (["--no-warmup", "--density-warmup", "5"], "--no-warmup contradicts"),
+    (["--dense-rounds", "-1"], "must be >= 0"),
+    (["--density-warmup", "-3"], "must be >= 0"),
+    (["--dataset", "fashion-mnist", "--model", "lstm"], "does not fit"),
+    (["--compressor", "threshold"], "--threshold"),
+    (["--compressor", "none", "--value-dtype", "float16"], "sparse compressors"),
+    (["--ratio", "1.5"], "--ratio must lie in (0, 1]"),
+    (["--resume"], "need --checkpoint-dir"),
+    (["--compressor", "powersgd", "--momentum-correction"], "PowerSGD uses SGD momentum"),
+    (["--compressor", "none", "--momentum-correction"], "needs a sparse compressor"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+])
+def test_bad_flags_exit_2_with_the_reason(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        options.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dataset_defaults_fill_only_unset_flags():
+    args = options.parse_args(["--dataset", "shakespeare"])
+    assert (args.model, args.batch_size, args.lr, args.clip_grad) == ("lstm", 32, 0.5, 1.0)
+    args = options.parse_args(["--batch-size", "16"])
+    assert (args.model, args.batch_size, args.lr, args.clip_grad) == ("cnn", 16, 0.1, 0.0)
+
+
+def test_settings_line_says_what_runs():
+    text = options.describe_compression(options.parse_args([]))
+    assert text == ("adtopk: ratio 0.01, momentum correction 0.9 (the sparse tensors' SGD without momentum); "
+                    "compression warm-up: 50 dense rounds, density 0.25 -> 0.01 over 150 rounds (--no-warmup: off)")
+    text = options.describe_compression(options.parse_args(["--no-warmup", "--no-momentum-correction"]))
+    assert text == "adtopk: ratio 0.01, SGD momentum 0.9; no compression warm-up"
+    assert options.describe_compression(options.parse_args(["--compressor", "none"])) == \
+        "none: dense, SGD momentum 0.9; no compression warm-up"
+    text = options.describe_compression(options.parse_args(["--compressor", "powersgd", "--powersgd-rank", "4"]))
+    assert text == "powersgd: rank 4, SGD momentum 0.9; no compression warm-up"
+
+
+# --------------------------------------------------------------------------------------------------------
+# engine: the compressor from the flags, SGD groups for momentum correction
+# --------------------------------------------------------------------------------------------------------
+
+def test_compressor_built_from_the_flags_carries_the_warmup():
+    comp = engine.make_compression(options.parse_args(["--ratio", "0.05"]))
+    cfg = comp.config()
+    assert cfg["compressor"] == "adtopk" and cfg["ratio"] == 0.05 and cfg["momentum"] == 0.9
+    assert cfg["density_warmup"] == 150 and cfg["density_start"] == 0.25
+    cfg = engine.make_compression(options.parse_args(["--no-warmup", "--no-momentum-correction"])).config()
+    assert cfg["density_warmup"] == 0 and cfg["momentum"] is None
+    assert engine.make_compression(options.parse_args(["--compressor", "none"])) is hat.Compression.none
+
+
+def test_sgd_groups_split_sparse_from_dense_parameters():
+    model = data.make_model(options.parse_args([]), None)
+    comp = engine.make_compression(options.parse_args([]))
+    sparse = engine.sparse_parameter_names(model, comp, world=2)
+    names = {n for n, _ in model.named_parameters()}
+    # every weight of 2+ dimensions with enough entries is sparse; biases (1-D) never are
+    expected = {n for n, p in model.named_parameters() if p.dim() >= 2 and comp.choose_path(
+        hat.compressors.TensorInfo(n, tuple(p.shape), p.numel(), p.dtype), 2)[0]}
+    assert sparse == expected and sparse and not any(n.endswith("bias") for n in sparse)
+    groups = engine.sgd_groups(model, sparse, 0.9)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    assert [g["momentum"] for g in groups] == [0.0, 0.9]
+    assert {by_id[id(p)] for p in groups[0]["params"]} == sparse
+    assert {by_id[id(p)] for p in groups[1]["params"]} == names - sparse
+    assert len(engine.sgd_groups(model, set(), 0.9)) == 1  # no empty group
+    assert engine.sparse_parameter_names(model, hat.Compression.none, 2) == set()
+
+
+# --------------------------------------------------------------------------------------------------------
+# data, build: loss, scores, learning-rate schedule
+# --------------------------------------------------------------------------------------------------------
+
+def test_loss_of_classifier_and_language_model_logits():
+    torch.manual_seed(0)
+    logits, target = torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7))
+    expected = F.cross_entropy(logits.permute(0, 2, 1), target, reduction="sum")
+    assert torch.allclose(data.compute_loss(logits, target, reduction="sum"), expected)
+    logits2, target2 = torch.randn(5, 3), torch.randint(0, 3, (5,))
+    assert torch.equal(data.compute_loss(logits2, target2), F.cross_entropy(logits2, target2))
+
+
+def test_scores_of_both_datasets():
+    fm = data.DATASETS["fashion-mnist"].score(50.0, 80.0, 100.0)
+    assert fm == {"test_loss": 0.5, "test_examples": 100, "test_accuracy": 0.8}
+    assert data.DATASETS["fashion-mnist"].describe(fm) == "test accuracy 80.00%"
+    sh = data.DATASETS["shakespeare"].score(200.0, 30.0, 100.0)
+    assert sh["test_perplexity"] == pytest.approx(math.exp(2.0)) and sh["test_char_accuracy"] == 0.3
+    assert data.DATASETS["shakespeare"].describe(sh) == f"test perplexity {math.exp(2.0):.3f}"
+    empty = data.DATASETS["fashion-mnist"].score(0.0, 0.0, 0.0)
+    assert math.isnan(empty["test_loss"]) and math.isnan(empty["test_accuracy"])
+
+
+def test_lr_factor_warmup_then_cosine():
+    world, warmup, horizon = 4, 10, 100
+    # linear from lr (1/world of the peak) to the peak over the warm-up
+    assert build.lr_factor(0, world, warmup, "constant", horizon) == pytest.approx(1 / world)
+    assert build.lr_factor(5, world, warmup, "constant", horizon) == pytest.approx((1 + 3 * 0.5) / 4)
+    assert build.lr_factor(10, world, warmup, "constant", horizon) == 1.0
+    assert build.lr_factor(99, world, warmup, "constant", horizon) == 1.0
+    assert build.lr_factor(0, world, 0, "constant", horizon) == 1.0  # no warm-up
+    for step in (20, 50, 73):
+        cos = 0.5 * (1 + math.cos(math.pi * step / horizon))
+        assert build.lr_factor(step, world, warmup, "cosine", horizon) == pytest.approx(cos)
+    assert build.lr_factor(100, world, warmup, "cosine", horizon) == pytest.approx(0.0, abs=1e-15)
+    assert build.lr_factor(150, world, warmup, "cosine", horizon) == pytest.approx(0.0, abs=1e-15)  # clamped
+
+
+# --------------------------------------------------------------------------------------------------------
+# checkpoints: files on a real file system
+# --------------------------------------------------------------------------------------------------------
+
+def _ckpt(step: int) -> dict:
+    return {"format": checkpoints.CKPT_FORMAT, "step": step, "config": {"seed": 1},
+            "model": {"w": torch.full((3,), float(step))}}
+
+
+def test_write_rotates_and_points_latest(tmp_path):
+    for step in (2, 4, 6, 8):
+        path = checkpoints.write_checkpoint(tmp_path, _ckpt(step), keep=2)
+        assert path == tmp_path / f"ckpt-step{step}.pt"
+        assert (tmp_path / "latest").read_text() == f"ckpt-step{step}.pt\n"
+    assert sorted(p.name for p in tmp_path.glob("ckpt-step*.pt")) == ["ckpt-step6.pt", "ckpt-step8.pt"]
+    assert [s for s, _ in checkpoints.checkpoint_files(tmp_path)] == [8, 6]
+    ckpt, why = checkpoints.read_checkpoint(tmp_path / "ckpt-step8.pt")
+    assert why is None and ckpt["step"] == 8 and torch.equal(ckpt["model"]["w"], torch.full((3,), 8.0))
+    # an older step written after a newer one (a resume from an earlier checkpoint): later files stay
+    checkpoints.write_checkpoint(tmp_path, _ckpt(3), keep=1)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-step*.pt")) == ["ckpt-step3.pt", "ckpt-step6.pt",
+                                                                       "ckpt-step8.pt"]
+    assert checkpoints.resume_candidates(tmp_path) == [tmp_path / "ckpt-step3.pt", tmp_path / "ckpt-step8.pt",
+                                                        tmp_path / "ckpt-step6.pt"]
+    checkpoints.write_checkpoint(tmp_path, _ckpt(9), keep=0)  # 0: keep all
+    assert len(list(tmp_path.glob("ckpt-step*.pt"))) == 4
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_unusable_checkpoints_say_why(tmp_path):
+    (tmp_path / "trunc.pt").write_bytes(b"PK\x03\x04 truncated")
+    assert checkpoints.read_checkpoint(tmp_path / "trunc.pt")[1].startswith("damaged (")
+    torch.save({"step": 1}, tmp_path / "other.pt")
+    assert checkpoints.read_checkpoint(tmp_path / "other.pt") == (None, "damaged (not a checkpoint of this script)")
+    torch.save({**_ckpt(1), "format": 1}, tmp_path / "old.pt")
+    assert checkpoints.read_checkpoint(tmp_path / "old.pt")[1] == \
+        f"written in checkpoint format 1, this script reads format {checkpoints.CKPT_FORMAT}"
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")  # a pointer that is not text: the files are still found
+    torch.save(_ckpt(5), tmp_path / "ckpt-step5.pt")
+    assert checkpoints.resume_candidates(tmp_path) == [tmp_path / "ckpt-step5.pt"]
+
+
+def test_stale_temporaries_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs
+    stale = tmp_path / f".ckpt-step3.pt.tmp{dead.pid}"
+    mine = tmp_path / f".ckpt-step4.pt.tmp{os.getpid()}"
+    pointer = tmp_path / f".latest.tmp{dead.pid}"
+    for f in (stale, mine, pointer):
+        f.write_bytes(b"partial")
+    removed = checkpoints.remove_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([stale, pointer]) and mine.exists() and not stale.exists()
+
+
+def test_failed_write_leaves_no_file_and_names_the_os_error(tmp_path):
+    target = tmp_path / "ckpt-step1.pt"
+
+    def write_then_fail(f):
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        checkpoints.atomic_write(target, write_then_fail)
+    assert list(tmp_path.iterdir()) == []
+    wrapped = RuntimeError("[enforce fail at inline_container.cc] . unexpected pos")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert checkpoints.write_error(target, wrapped) == \
+        f"could not write checkpoint {target}: No space left on device (errno ENOSPC); disk full?"
+    assert checkpoints.write_error(target, OSError(errno.EACCES, "denied")) == \
+        f"could not write checkpoint {target}: Permission denied (errno EACCES)"
+    with pytest.raises(OSError, match="could not write checkpoint .*File exists"):
+        (tmp_path / "file").write_text("x")
+        checkpoints.write_checkpoint(tmp_path / "file", _ckpt(1), keep=2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# logs: formatting, when a live bar is drawn
+# --------------------------------------------------------------------------------------------------------
+
+def test_durations_and_sizes():
+    assert [logs.duration(s) for s in (0, 7.4, 59.6, 125, 3600, 3723)] == ["0s", "7s", "1m00s", "2m05s",
+                                                                           "1h00m00s", "1h02m03s"]
+    assert logs.mb(14_270_000) == "14.27 MB"
+
+
+def test_rank_formatter_marks_warnings_and_other_ranks():
+    def fmt(rank, world, level, msg):
+        return logs._RankFormatter(rank, world).format(logging.LogRecord("x", level, "", 0, msg, None, None))
+    assert fmt(0, 2, logging.INFO, "step 1") == "step 1"
+    assert fmt(0, 2, logging.WARNING, "careful") == "warning: careful"
+    assert fmt(1, 2, logging.ERROR, "broken") == "rank 1: error: broken"
+    assert fmt(0, 1, logging.ERROR, "broken") == "error: broken"
+
+
+def test_no_live_bar_under_launchers_or_without_a_terminal(monkeypatch):
+    for var in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_CONTROLLER",
+                "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    args = options.parse_args([])
+    assert logs.use_live_bar(options.parse_args(["--progress"]), world=4) is True  # forced
+    assert logs.use_live_bar(options.parse_args(["--no-progress"]), world=1) is False
+    assert logs.use_live_bar(args, world=2) is False  # several ranks: a launcher tags the output
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    assert logs.use_live_bar(args, world=1) is False  # horovodrun tags even one process
+    monkeypatch.delenv("HOROVOD_RANK")
+    if not sys.stderr.isatty():  # pytest captures stderr: not a terminal
+        assert logs.use_live_bar(args, world=1) is False
+
+
+# --------------------------------------------------------------------------------------------------------
+# the entry point from anywhere
+# --------------------------------------------------------------------------------------------------------
+
+def test_train_py_runs_from_another_folder_without_pythonpath(tmp_path):
+    rc, out, _ = run_command([sys.executable, TRAIN, "--help"], timeout=120, env={"PYTHONPATH": ""},
+                             cwd=str(tmp_path))
+    assert rc == 0, out[-3000:]
+    assert "--no-warmup" in out and "--dense-rounds" in out and "Data-parallel training" in out
