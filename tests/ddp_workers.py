@@ -35,7 +35,7 @@ class GradModule(torch.nn.Module):
 
 def _state_for(case, ci: int, module: GradModule, model: DDP, compression):
     """The hook's state: named like hat.DistributedOptimizer's parameters, or positional (hook-only API)."""
-    names = [(f"case{ci}.{n}", p) for n, p in zip(case["shapes"], module.ps.values())]
+    names = [(f"case{ci}.{k.replace('__', '.')}", p) for k, p in module.ps.items()]  # (ParameterDict sorts keys)
     if case.get("naming") == "positional":
         state = hat.ddp.CompressionState(process_group=None, compression=compression,
                                          warmup_steps=case.get("warmup_steps", 0))
