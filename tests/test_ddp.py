@@ -269,3 +269,39 @@ def test_bad_arguments_get_clear_errors():
         hat.ddp.CompressionState(compression=hat.Compression.adtopk(ratio=0.01), warmup_steps=-1)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         hat.ddp.register(torch.nn.Linear(2, 2), hat.Compression.adtopk(ratio=0.01))
+
+
+def _torchrun_train(args, timeout=240):
+    """``torchrun --standalone --nproc-per-node 2 examples/train.py --engine ddp ARGS`` under a timeout."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(Path(__file__).resolve().parent.parent / "examples"
+                                                                   / "train.py"),
+           "--engine", "ddp", "--no-progress", "--log-every", "0", "--test-batches", "1", *map(str, args)]
+    rc, out, _ = run_command(cmd, timeout=timeout)
+    assert rc == 0, f"train.py --engine ddp {args} exited {rc}\n{out[-8000:]}"
+    return out
+
+
+def _final(path: Path) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("final")][-1]  # the last run's (a resumed run appends to the file)
+
+
+def test_train_engine_ddp_resumes_bitwise(tmp_path):
+    """The training job under torchrun with the DDP engine: ADTopk compresses, and a resumed run ends where an
+    uninterrupted one does (checkpoints hold every rank's hook state)."""
+    common = ["--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--no-warmup"]
+    _torchrun_train([*common, "--max-steps", 8, "--checkpoint-dir", tmp_path / "a", "--metrics-out", tmp_path / "a.jsonl"])
+    _torchrun_train([*common, "--max-steps", 4, "--checkpoint-dir", tmp_path / "b", "--metrics-out", tmp_path / "b.jsonl"])
+    out = _torchrun_train([*common, "--max-steps", 8, "--checkpoint-dir", tmp_path / "b", "--resume",
+                           "--metrics-out", tmp_path / "b.jsonl"])
+    assert "resumed from" in out and "at step 4" in out
+    fa, fb = _final(tmp_path / "a.jsonl"), _final(tmp_path / "b.jsonl")
+    for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
+        assert fa[key] == fb[key], (key, fa[key], fb[key])
+    assert fa["density"] < 0.05
+
+
+def test_train_engine_ddp_powersgd_is_pytorchs_hook(tmp_path):
+    out = _torchrun_train(["--dataset", "fashion-mnist", "--compressor", "powersgd", "--max-steps", 3])
+    assert "Final test accuracy" in out and "less)" in out, out[-4000:]

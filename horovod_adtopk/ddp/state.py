@@ -196,12 +196,12 @@ class CompressionState:
         """Restore :meth:`state_dict` (before the first backward of the resumed run). A different compressor
         configuration is refused; a state without this rank's entry warns and starts with an empty memory."""
         comm = self.comm()
-        entry = layout.unwrap(state, describe_compression(self.compression), comm.rank(), comm.size(),
-                              self.memory is not None)
+        shapes = {n: shape for n, (shape, _) in self._bound.items()} if self._bound is not None else None
+        entry = layout.unwrap(state, describe_compression(self.compression), comm.rank(), comm.size(), self.memory,
+                              shapes)
         self.round = int(state["round"])
         if self.memory is not None:
-            shapes = {n: shape for n, (shape, _) in self._bound.items()} if self._bound is not None else None
-            self.memory.load_state_dict(entry["memory"] if entry is not None else {}, shapes=shapes)
+            self.memory.load_state_dict(entry["memory"] if entry is not None else {})
             for name, device in self._devices.items():
                 self._place_memory(name, device)
         if self.sparsifier is not None:
