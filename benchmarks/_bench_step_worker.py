@@ -6,7 +6,11 @@ Started by ``horovodrun`` (one job per (link rate, world size, model) cell). Eve
 here in turn, each on a freshly built model (so no hook of an earlier optimizer stays on its parameters)
 whose parameter names carry the mode's index, so that no two modes ever share a Horovod tensor name:
 
-- ``compute``: plain local optimizer, no communication at all (the lower bound of a step);
+- ``compute``: plain local optimizer, no communication at all, after ``hvd.init()`` (Horovod's background
+  thread running, as in every Horovod mode);
+- ``compute-noinit``: the same step with Horovod not initialised at all: run before ``hvd.init()`` and, with
+  ``rounds > 1``, again after ``hvd.shutdown()``, the ranks agreeing through files (``_step_comm.FileComm``).
+  Both compute modes run every rank concurrently, with the same torch threads as the other modes;
 - ``hvd-dense`` / ``hvd-fp16``: ``hvd.DistributedOptimizer`` with ``Compression.none`` / ``Compression.fp16``;
 - ``ddp-powersgd``: ``torch.nn.parallel.DistributedDataParallel`` with the PowerSGD (rank 1) comm hook, on a
   Gloo process group over a TCP store on 127.0.0.1 (port chosen by rank 0, broadcast through Horovod), with
@@ -15,6 +19,10 @@ whose parameter names carry the mode's index, so that no two modes ever share a 
 - ``ddp-dense``: DDP without a hook (its own bucketed allreduce, default 25 MB buckets);
 - ``ddp-NAME``: DDP with ``horovod_adtopk.ddp``'s hook and compressor NAME (``ddp-adtopk``), default buckets;
 - any other name: a ``horovod_adtopk`` compressor, ``hat.DistributedOptimizer`` with ``ratio``.
+
+With ``rounds > 1`` the whole list of modes runs ``rounds`` times in turn (interleaved, so that a change
+of machine load affects every mode alike); a mode's step times are pooled over its rounds, and the
+per-round medians are kept.
 
 A step is forward + backward + ``optimizer.step()`` on a pre-generated random batch (fixed size per rank).
 Each rank times its own steps with ``perf_counter`` (no barrier inside the loop: the collectives keep the
@@ -42,6 +50,7 @@ import horovod.torch as hvd
 
 import horovod_adtopk as hat
 import common  # benchmarks/common.py: this script's directory is on the path
+from _step_comm import FileComm, HvdComm
 
 build_model = common.load_example("models").build_model
 
@@ -128,7 +137,7 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
     """Return (model_to_run, optimizer, kind, ddp_state) for ``mode``."""
     named = [(f"m{idx}_{mode}.{n}", p) for n, p in model.named_parameters()]
     base = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    if mode == "compute":
+    if mode in ("compute", "compute-noinit"):
         return model, base, "compute", None
     if mode in DENSE_HVD:
         return model, hvd.DistributedOptimizer(base, named_parameters=named, compression=DENSE_HVD[mode]), "hvd", None
@@ -170,13 +179,38 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
     return model, opt, "hat", None
 
 
-def run_mode(mode: str, idx: int, cfg: dict) -> dict:
-    rank, size = hvd.rank(), hvd.size()
+def time_steps(one_step, warmup: int, cfg: dict, comm, tag: str, after_warmup) -> tuple:
+    """Warm-up, then timed steps until ``steps`` (or ``mode_budget_s`` spent, decided by rank 0).
+    Returns ``(step times, what after_warmup() returned)``."""
+    comm.barrier(f"bench_step.align.{tag}.a")  # start together
+    for i in range(warmup):
+        one_step(i)
+    warm = after_warmup()
+    comm.barrier(f"bench_step.align.{tag}.b")
+    times = []
+    start = time.perf_counter()
+    i = 0
+    while True:
+        times.append(one_step(warmup + i))
+        i += 1
+        stop = 0
+        if comm.rank == 0:
+            spent = time.perf_counter() - start
+            stop = int(i >= cfg["steps"] or (i >= cfg["min_steps"] and spent >= cfg["mode_budget_s"]))
+        # untimed: every rank must agree on the number of steps (collective counts must match)
+        if comm.broadcast_int(stop, f"bench_step.stop.{tag}.{i}"):
+            return times, warm
+
+
+def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) -> dict:
+    """Time ``mode`` (the ``idx``-th of the cell) once, in round ``round_``; ``tag`` names this run's
+    agreement points. Every round starts from the same model and batches."""
+    rank = comm.rank
     torch.manual_seed(1000 + idx)  # the same initial model on every rank
     model = make_model(cfg["model"])
     nparams = sum(p.numel() for p in model.parameters())
     batches = make_batches(cfg["model"], cfg["batch"], cfg["seq_len"], 4, seed=7919 * (rank + 1) + idx)
-    net, opt, kind, _state = build_mode(mode, idx, model, cfg)
+    net, opt, kind, _state = build_mode(mode, idx + 1000 * round_, model, cfg)  # fresh tensor names
     warmup = max(cfg["warmup"], 3) if kind.startswith("ddp") else cfg["warmup"]
 
     def one_step(i: int) -> float:
@@ -188,31 +222,14 @@ def run_mode(mode: str, idx: int, cfg: dict) -> dict:
         opt.step()
         return time.perf_counter() - t0
 
-    hvd.allreduce(torch.zeros(1), name=f"bench_step.align.{idx}.a")  # start together
-    for i in range(warmup):
-        one_step(i)
     stats_of = (lambda: opt.stats()) if kind == "hat" else (lambda: _state.stats()) if kind == "ddp-hat" else None
-    stats0 = stats_of() if stats_of else None
-    hvd.allreduce(torch.zeros(1), name=f"bench_step.align.{idx}.b")
-    times = []
-    start = time.perf_counter()
-    i = 0
-    while True:
-        times.append(one_step(warmup + i))
-        i += 1
-        stop = 0
-        if rank == 0:
-            spent = time.perf_counter() - start
-            stop = int(i >= cfg["steps"] or (i >= cfg["min_steps"] and spent >= cfg["mode_budget_s"]))
-        # untimed: every rank must agree on the number of steps (collective counts must match)
-        stop = int(hvd.broadcast(torch.tensor([stop]), root_rank=0, name=f"bench_step.stop.{idx}").item())
-        if stop:
-            break
+    times, stats0 = time_steps(one_step, warmup, cfg, comm, tag, lambda: stats_of() if stats_of else None)
     stats1 = stats_of() if stats_of else None
-    all_times = hvd.allgather_object(times, name=f"bench_step.times.{idx}")
+    all_times = comm.allgather_object(times, f"bench_step.times.{tag}")
     per_step_max = [max(ts[j] for ts in all_times) for j in range(len(times))]
     res = {
         "mode": mode, "kind": kind, "params": nparams, "warmup": warmup, "steps_timed": len(times),
+        "horovod_initialised": comm.uses_horovod, "torch_threads": torch.get_num_threads(),
         "median_s": statistics.median(per_step_max),
         "mean_s": statistics.fmean(per_step_max),
         "min_s": min(per_step_max),
@@ -267,45 +284,104 @@ def allreduce_probe(size_bytes: int, reps: int) -> dict:
     return {"bytes": size_bytes, "median_s": med, "algbw_bytes_per_s": size_bytes / med if med > 0 else None}
 
 
-def main() -> int:
-    cfg = json.loads(Path(sys.argv[1]).read_text())
-    out_path = Path(sys.argv[2])
-    torch.set_num_threads(1)
-    hvd.init()
-    rank = hvd.rank()
-    result = {"np": hvd.size(), "model": cfg["model"], "modes": {}, "errors": {}}
-    if cfg.get("probe_bytes"):
-        try:
-            result["allreduce_probe"] = allreduce_probe(cfg["probe_bytes"], cfg.get("probe_reps", 2))
-        except Exception as exc:  # a probe failure must not lose the cell
-            result["errors"]["allreduce_probe"] = repr(exc)
-    # Process-level warm-up (allocator, lazy initialisation, thread pools) so the first mode is not penalised.
+POOLED_MEANS = ("bytes_sent_per_step", "bytes_dense_per_step", "density", "compress_s_per_step",
+                "decompress_s_per_step")
+
+
+def pool_rounds(runs: list) -> dict:
+    """One mode's result over its rounds: step times pooled (median / mean / min of all of them), the
+    per-round medians kept, per-step counters averaged."""
+    res = dict(runs[0])
+    steps = [t for r in runs for t in r["step_times_max_over_ranks_s"]]
+    res.update({"rounds": len(runs), "steps_timed": len(steps), "step_times_max_over_ranks_s": steps,
+                "median_s": statistics.median(steps), "mean_s": statistics.fmean(steps), "min_s": min(steps),
+                "round_medians_s": [r["median_s"] for r in runs],
+                "rank0_median_s": statistics.median([r["rank0_median_s"] for r in runs])})
+    for key in POOLED_MEANS:
+        if key in res:
+            res[key] = statistics.fmean(r[key] for r in runs)
+    return res
+
+
+def env_rank() -> tuple:
+    """(rank, size) from horovodrun's environment, before ``hvd.init()``."""
+    try:
+        return int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    except (KeyError, ValueError):
+        raise SystemExit("_bench_step_worker: HOROVOD_RANK / HOROVOD_SIZE not set: launch it through "
+                         "bench_step.py (horovodrun --gloo)")
+
+
+def process_warmup(cfg: dict, rank: int) -> None:
+    """Allocator, lazy initialisation, thread pools: so that the first mode is not penalised."""
     torch.manual_seed(0)
     warm_model = make_model(cfg["model"])
     for x, y in make_batches(cfg["model"], cfg["batch"], cfg["seq_len"], 2, seed=rank):
         loss_fn(warm_model(x), y).backward()
     del warm_model
-    for idx, mode in enumerate(cfg["modes"]):
-        t0 = time.perf_counter()
+
+
+def run_or_abort(mode: str, idx: int, cfg: dict, comm, round_: int, result: dict, out_path: Path) -> dict:
+    """``run_mode``; on failure report it (rank 0 writes what it has) and end the process: the other ranks
+    would wait forever inside a collective."""
+    t0 = time.perf_counter()
+    try:
+        res = run_mode(mode, idx, cfg, comm, f"{idx}.{round_}", round_)
+    except Exception as exc:
+        sys.stderr.write(f"[rank {comm.rank}] mode {mode} failed:\n{traceback.format_exc()}")
+        result["errors"][mode] = repr(exc)
+        if comm.rank == 0:
+            out_path.write_text(json.dumps(result))
+        sys.stderr.flush()
+        os._exit(3)
+    if comm.rank == 0:
+        print(f"[bench_step] {cfg['model']} np={comm.size} {mode:<14} round {round_} median "
+              f"{res['median_s'] * 1e3:9.1f} ms ({res['steps_timed']} steps, {time.perf_counter() - t0:.1f}s)",
+              flush=True)
+    return res
+
+
+def main() -> int:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    out_path = Path(sys.argv[2])
+    torch.set_num_threads(cfg.get("threads", 1))
+    rank, size = env_rank()
+    rounds = max(1, int(cfg.get("rounds", 1)))
+    modes = list(cfg["modes"])
+    result = {"np": size, "model": cfg["model"], "modes": {}, "errors": {}, "rounds": rounds,
+              "torch_threads": torch.get_num_threads()}
+    runs = {m: [] for m in modes}
+    files = FileComm(cfg.get("sync_dir") or str(out_path) + ".sync", rank, size)
+    noinit = "compute-noinit" in modes
+    process_warmup(cfg, rank)
+    if noinit:  # first, before Horovod exists in this process
+        runs["compute-noinit"].append(run_or_abort("compute-noinit", modes.index("compute-noinit"), cfg, files, 0,
+                                                   result, out_path))
+    hvd.init()
+    comm = HvdComm(hvd)
+    if cfg.get("probe_bytes"):
         try:
-            res = run_mode(mode, idx, cfg)
-        except Exception as exc:
-            # A failure on one rank leaves the others inside a collective; report and abort the job.
-            sys.stderr.write(f"[rank {rank}] mode {mode} failed:\n{traceback.format_exc()}")
-            result["errors"][mode] = repr(exc)
+            result["allreduce_probe"] = allreduce_probe(cfg["probe_bytes"], cfg.get("probe_reps", 2))
+        except Exception as exc:  # a probe failure must not lose the cell
+            result["errors"]["allreduce_probe"] = repr(exc)
+    for r in range(rounds):
+        for idx, mode in enumerate(modes):
+            if mode == "compute-noinit":
+                continue
+            runs[mode].append(run_or_abort(mode, idx, cfg, comm, r, result, out_path))
             if rank == 0:
-                out_path.write_text(json.dumps(result))
-            sys.stderr.flush()
-            os._exit(3)
-        if rank == 0:
-            result["modes"][mode] = res
-            print(f"[bench_step] {cfg['model']} np={hvd.size()} {mode:<13} median {res['median_s'] * 1e3:9.1f} ms "
-                  f"({res['steps_timed']} steps, {time.perf_counter() - t0:.1f}s)", flush=True)
-            out_path.write_text(json.dumps(result))  # partial results survive a later timeout
+                result["modes"][mode] = pool_rounds(runs[mode])
+                out_path.write_text(json.dumps(result))  # partial results survive a later timeout
     if _TORCH_PG["ready"]:
         import torch.distributed as dist
         dist.destroy_process_group()
     hvd.shutdown()
+    if noinit and rounds > 1:  # and last, after Horovod's background thread has stopped
+        runs["compute-noinit"].append(run_or_abort("compute-noinit", modes.index("compute-noinit"), cfg, files,
+                                                   rounds - 1, result, out_path))
+    if rank == 0:
+        result["modes"] = {m: pool_rounds(runs[m]) for m in modes if runs[m]}
+        out_path.write_text(json.dumps(result))
     return 0
 
 

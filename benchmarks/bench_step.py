@@ -26,14 +26,24 @@ For each link rate the link is measured once between two processes with a raw TC
 from the slope so the 1 MB token-bucket burst cancels out) and stored under ``"link"`` in the JSON.
 
 For each (rate, N, model) cell one ``horovodrun --gloo`` job is launched (HOROVOD_CYCLE_TIME=1 ms by
-default, OMP_NUM_THREADS=1 per rank) and every mode of the cell runs inside it, in turn, on a fresh model
-(see ``benchmarks/_bench_step_worker.py``). A step is forward + backward + optimizer step on a random batch
-of fixed size per rank (mlp: 32 x 2048, resnet18: 32 x 3x32x32, lstm: 16 x 64 tokens, vocab 84); after
-``--warmup`` steps, ``--steps`` steps are timed (fewer if a mode exceeds ``--mode-budget`` seconds, at
-least ``--min-steps``). Reported: the median over steps of the max over ranks of the step time, its ratio
-to ``compute`` (no communication) and the speed-up over ``hvd-dense`` and ``hvd-fp16``, and bytes each
-rank hands to the collectives per step (``opt.stats()`` for horovod_adtopk; numel x element size for the
-dense modes; an estimate from the shapes for PowerSGD).
+default, ``--threads`` torch threads per rank, 1 by default, the same for every mode) and every mode of the
+cell runs inside it, in turn, on a fresh model, ``--rounds`` times (interleaved: the whole list, then the
+whole list again; see ``benchmarks/_bench_step_worker.py``). A step is forward + backward + optimizer step
+on a random batch of fixed size per rank (mlp: 32 x 2048, resnet18: 32 x 3x32x32, lstm: 16 x 64 tokens,
+vocab 84); after ``--warmup`` steps, ``--steps`` steps are timed per round (fewer if a mode exceeds
+``--mode-budget`` seconds, at least ``--min-steps``). Reported: the median over steps (pooled over rounds)
+of the max over ranks of the step time, its ratio to the lower bound, the speed-up over ``hvd-dense`` and
+``hvd-fp16``, and bytes each rank hands to the collectives per step (``opt.stats()`` for horovod_adtopk;
+numel x element size for the dense modes; an estimate from the shapes for PowerSGD).
+
+The lower bound is the same step with no communication, all ranks running concurrently as in training:
+``compute`` (after ``hvd.init()``, so Horovod's background thread runs and costs CPU as it does in every
+Horovod mode) and ``compute-noinit`` (before ``hvd.init()`` and after ``hvd.shutdown()``, no Horovod at
+all). ``x compute`` is the ratio to the faster of the two (named in the table and in ``lower_bound`` of the
+JSON); ``x_compute_hvd`` is the ratio to ``compute``. A mode that communicates cannot beat the lower bound:
+if one is faster than it by more than the noise (``--lb-tolerance`` or the lower bound's own interquartile
+range, whichever is larger) the script says so loudly and exits with status 2 (``--no-lb-check``: report
+only).
 
 Every launch runs in its own session under a timeout; on expiry the whole process tree is killed.
 Outputs: a table on stdout, ``bench_results/step.json`` (``--out``) with machine info, configuration,
@@ -69,7 +79,7 @@ PARENT_NS = "BENCH_STEP_PARENT_NETNS"
 
 ALL_RATES = ["uncapped", "10gbit", "1gbit", "100mbit"]
 DEFAULT_COMPRESSORS = ["adtopk", "topk", "dgc", "randomk", "adtopk_i"]
-DEFAULT_MODES = ["compute", "hvd-dense", "hvd-fp16", "ours", "ddp-powersgd"]
+DEFAULT_MODES = ["compute-noinit", "compute", "hvd-dense", "hvd-fp16", "ours", "ddp-powersgd"]
 BATCH = {"mlp": 32, "resnet18": 32, "lstm": 16, "cnn": 64}
 SEQ_LEN = 64
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
@@ -89,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--np", type=lambda s: [int(x) for x in csv(s)], default=None, help="world sizes (default 2,4)")
     ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28)")
     ap.add_argument("--modes", type=csv, default=None,
-                    help="compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: PyTorch's PowerSGD hook "
-                         "at rank R, ddp-NAME: our DDP hook with compressor NAME) and compressor names; 'ours' expands to "
+                    help="compute-noinit,compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: "
+                         "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME) and "
+                         "compressor names; 'ours' expands to "
                          f"--compressors (default {','.join(DEFAULT_MODES)})")
     ap.add_argument("--compressors", type=csv, default=None,
                     help=f"horovod_adtopk compressors for 'ours' (default {','.join(DEFAULT_COMPRESSORS)})")
@@ -99,6 +110,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-steps", type=int, default=2, help="timed steps kept even past --mode-budget")
     ap.add_argument("--mode-budget", type=float, default=None,
                     help="seconds of timed steps per mode before stopping early (default 90)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="run the list of modes this many times in turn, pooling each mode's steps (default 2; "
+                         "interleaving spreads a change of machine load over every mode)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (every mode alike)")
+    ap.add_argument("--lb-tolerance", type=float, default=0.05,
+                    help="the lower-bound check: fail when a mode's median is below the compute-only median by "
+                         "more than max(this, the compute steps' noise) (relative; default 0.05)")
+    ap.add_argument("--no-lb-check", action="store_true",
+                    help="report a failed lower-bound check without failing the run")
     ap.add_argument("--ratio", type=float, default=0.01, help="density of the sparse compressors")
     ap.add_argument("--powersgd-rank", type=int, default=1)
     ap.add_argument("--lr", type=float, default=0.01)
@@ -121,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.np = a.np or ([2] if q else [2, 4])
     a.models = a.models or (["mlp"] if q else ["mlp", "resnet18", "lstm"])
     a.compressors = a.compressors or (["adtopk"] if q else DEFAULT_COMPRESSORS)
-    modes = a.modes or (["compute", "hvd-dense", "hvd-fp16", "ours"] if q else DEFAULT_MODES)
+    modes = a.modes or (["compute-noinit", "compute", "hvd-dense", "hvd-fp16", "ours"] if q else DEFAULT_MODES)
     expanded: List[str] = []
     for m in modes:
         for x in (a.compressors if m == "ours" else [m]):
@@ -130,6 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.modes = expanded
     a.steps = a.steps if a.steps is not None else (5 if q else 10)
     a.warmup = a.warmup if a.warmup is not None else (2 if q else 3)
+    a.rounds = a.rounds if a.rounds is not None else (1 if q else 2)
+    if a.rounds < 1 or a.threads < 1:
+        ap.error("--rounds and --threads must be >= 1")
     a.mode_budget = a.mode_budget if a.mode_budget is not None else (10.0 if q else 90.0)
     a.cell_timeout = a.cell_timeout if a.cell_timeout is not None else (110.0 if q else 3600.0)
     a.link_bytes = min(a.link_bytes, 16 << 20) if q else a.link_bytes
@@ -139,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for m in a.models:
         if m not in BATCH:
             ap.error(f"unknown model {m!r}; choose from {', '.join(BATCH)}")
-    known_dense = {"compute", "hvd-dense", "hvd-fp16", "ddp-powersgd"}
+    known_dense = {"compute", "compute-noinit", "hvd-dense", "hvd-fp16", "ddp-powersgd"}
     from horovod_adtopk.compressors import _REGISTRY  # light import check of the names
     for m in a.modes:
         base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
@@ -316,7 +339,7 @@ def launch_job(args, np_: int, cfg: dict, cfg_path: Path, out_path: Path):
         out_path.unlink()
     cmd = [HOROVODRUN, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", "--network-interface", "lo",
            sys.executable, str(WORKER), str(cfg_path), str(out_path)]
-    env = {"MKL_NUM_THREADS": "1", "HOROVOD_CYCLE_TIME": str(args.cycle_time_ms), "GLOO_SOCKET_IFNAME": "lo"}
+    env = {"MKL_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads), "HOROVOD_CYCLE_TIME": str(args.cycle_time_ms), "GLOO_SOCKET_IFNAME": "lo"}
     log_lines: List[str] = []
 
     def on_line(line: str) -> None:
@@ -335,15 +358,16 @@ def run_cell(args, rate: str, np_: int, model: str, workdir: Path) -> dict:
     base_cfg = {"model": model, "steps": args.steps, "warmup": args.warmup,
                 "min_steps": args.min_steps, "mode_budget_s": args.mode_budget, "ratio": args.ratio,
                 "batch": args.batch or BATCH[model], "seq_len": SEQ_LEN, "lr": args.lr,
-                "powersgd_rank": args.powersgd_rank, "probe_bytes": args.probe_bytes, "probe_reps": 2}
+                "powersgd_rank": args.powersgd_rank, "probe_bytes": args.probe_bytes, "probe_reps": 2,
+                "rounds": args.rounds, "threads": args.threads}
     cell = {"rate": rate, "np": np_, "model": model, "batch": base_cfg["batch"], "modes": {}, "errors": {},
             "launches": []}
     remaining = list(args.modes)
     while remaining:
-        cfg = dict(base_cfg, modes=remaining)
+        n = len(cell["launches"])
+        cfg = dict(base_cfg, modes=remaining, sync_dir=str(workdir / f"{tag}.{n}.sync"))
         if "allreduce_probe" in cell or len(cell["launches"]) > 0:
             cfg["probe_bytes"] = 0
-        n = len(cell["launches"])
         cfg_path, out_path = workdir / f"{tag}.{n}.cfg.json", workdir / f"{tag}.{n}.out.json"
         rc, log_lines, seconds = launch_job(args, np_, cfg, cfg_path, out_path)
         res = json.loads(out_path.read_text()) if out_path.exists() else {"modes": {}, "errors": {}}
@@ -381,14 +405,51 @@ def run_cell(args, rate: str, np_: int, model: str, workdir: Path) -> dict:
 
 # --- report -------------------------------------------------------------------------------------------------------
 
+COMPUTE_MODES = ("compute-noinit", "compute")
+
+
 def add_ratios(cell: dict) -> None:
+    """Ratios of every mode to the cell's lower bound (the faster of the two compute-only modes, named in
+    ``cell["lower_bound"]``; ``x_compute_hvd`` is the ratio to ``compute`` with Horovod initialised) and
+    speed-ups over Horovod dense / fp16."""
     modes = cell["modes"]
     ref = {k: modes[k]["median_s"] for k in ("compute", "hvd-dense", "hvd-fp16") if k in modes}
+    present = [m for m in COMPUTE_MODES if m in modes]
+    lb = min(present, key=lambda m: modes[m]["median_s"]) if present else None
+    if lb is not None:
+        cell["lower_bound"] = {"mode": lb, "median_s": modes[lb]["median_s"],
+                               **{f"{m}_median_s": modes[m]["median_s"] for m in present}}
+        if len(present) == 2:
+            cell["lower_bound"]["horovod_thread_cost"] = modes["compute"]["median_s"] / modes["compute-noinit"]["median_s"]
     for m in modes.values():
         t = m["median_s"]
-        m["x_compute"] = t / ref["compute"] if "compute" in ref else None
+        m["x_compute"] = t / modes[lb]["median_s"] if lb else None
+        m["x_compute_hvd"] = t / ref["compute"] if "compute" in ref else None
         m["speedup_vs_dense"] = ref["hvd-dense"] / t if "hvd-dense" in ref else None
         m["speedup_vs_fp16"] = ref["hvd-fp16"] / t if "hvd-fp16" in ref else None
+
+
+def check_lower_bound(cell: dict, tolerance: float) -> List[str]:
+    """Modes whose median is below the compute-only lower bound by more than the noise: ``max(tolerance,
+    interquartile range / median of the lower bound's own steps)``. A mode that communicates cannot be
+    faster than the same step without communication, so any such mode means the compute-only cell was
+    inflated (load, a mode order effect) and the cell's ratios flatter; returns one message per mode."""
+    lb = cell.get("lower_bound")
+    if lb is None:
+        return []
+    steps = sorted(cell["modes"][lb["mode"]]["step_times_max_over_ranks_s"])
+    q = statistics.quantiles(steps, n=4) if len(steps) >= 2 else [steps[0]] * 3
+    noise = max(tolerance, (q[2] - q[0]) / lb["median_s"])
+    lb["noise"] = noise
+    bad = []
+    for name, m in cell["modes"].items():
+        if name in COMPUTE_MODES or m["median_s"] >= lb["median_s"] * (1.0 - noise):
+            continue
+        bad.append(f"{cell['rate']} N={cell['np']} {cell['model']}: mode {name} median {m['median_s'] * 1e3:.1f} ms is "
+                   f"{(1 - m['median_s'] / lb['median_s']) * 100:.1f}% below the compute-only lower bound "
+                   f"{lb['mode']} {lb['median_s'] * 1e3:.1f} ms (noise {noise * 100:.1f}%)")
+    lb["violations"] = bad
+    return bad
 
 
 def print_table(cells: List[dict]) -> str:
@@ -405,6 +466,11 @@ def print_table(cells: List[dict]) -> str:
                          f"{m['steps_timed']:>5}")
         for name in c.get("missing_modes", []):
             lines.append(f"{c['rate']:>9} {c['np']:>2} {c['model']:<8} {name:<13} {'FAILED/NOT RUN':>10}")
+        lb = c.get("lower_bound")
+        if lb:
+            cost = lb.get("horovod_thread_cost")
+            lines.append(f"{'':>9} x compute = vs {lb['mode']} ({lb['median_s'] * 1e3:.1f} ms)" +
+                         (f"; compute with hvd.init() / without: {cost:.3f}" if cost else ""))
     text = "\n".join(lines)
     print(text, flush=True)
     return text
@@ -470,7 +536,8 @@ def main() -> int:
                    "mode_budget_s": args.mode_budget, "ratio": args.ratio, "powersgd_rank": args.powersgd_rank,
                    "batch_per_rank": {m: args.batch or BATCH[m] for m in args.models}, "lstm_seq_len": SEQ_LEN,
                    "lstm_vocab": 84, "optimizer": f"SGD lr={args.lr} momentum=0.9",
-                   "HOROVOD_CYCLE_TIME_ms": args.cycle_time_ms, "OMP_NUM_THREADS": 1, "controller": "gloo",
+                   "HOROVOD_CYCLE_TIME_ms": args.cycle_time_ms, "torch_threads": args.threads, "rounds": args.rounds,
+                   "lb_tolerance": args.lb_tolerance, "controller": "gloo",
                    "quick": args.quick,
                    "netns": None if args.no_netns else "private (unshare -n), loopback only",
                    "tc": "tc qdisc add dev lo root tbf rate R burst 1mb latency 200ms (shared by all ranks)"},
@@ -478,6 +545,7 @@ def main() -> int:
         "link": {},
         "cells": [],
         "failures": [],
+        "lower_bound_violations": [],
     }
     workdir = Path(tempfile.mkdtemp(prefix="bench_step-"))
     try:
@@ -498,6 +566,9 @@ def main() -> int:
                     print(f"-- cell rate={rate} N={np_} model={model}", flush=True)
                     cell = run_cell(args, rate, np_, model, workdir)
                     add_ratios(cell)
+                    for msg in check_lower_bound(cell, args.lb_tolerance):
+                        print(f"   LOWER BOUND CHECK FAILED: {msg}", flush=True)
+                        report["lower_bound_violations"].append(msg)
                     report["cells"].append(cell)
                     if cell.get("missing_modes") or cell.get("errors"):
                         report["failures"].append({"rate": rate, "np": np_, "model": model,
@@ -519,6 +590,13 @@ def main() -> int:
           f" in {report['total_wall_s']:.0f}s", flush=True)
     if report["failures"]:
         print(f"{len(report['failures'])} failure(s): see 'failures' in the JSON", flush=True)
+    if report["lower_bound_violations"]:
+        print("\nLOWER BOUND CHECK FAILED: a mode ran faster than the same step without communication, so the "
+              "compute-only measurement of its cell is not the fastest this step can run and the cell's ratios "
+              "are not honest (re-run on a quieter machine, with more --steps or --rounds):\n  " +
+              "\n  ".join(report["lower_bound_violations"]), flush=True)
+        if not args.no_lb_check:
+            return 2
     return 1 if report["failures"] else 0
 
 

@@ -15,7 +15,12 @@ entries of largest ``|M|``, so no output unit is left without an update ("dimens
 paper), the payload size ``num_fibers * k`` is the same on every rank, and the work is many small
 independent partial sorts instead of one large one.
 
-``axis="auto"`` lets fibers run along the longer axis of ``M``. The authors select along dim 1 of the
+``axis="auto"`` prefers contiguous row fibers (``axis=1``): it takes them whenever their effective density
+``k / cols`` stays within ``AUTO_DENSITY_TOLERANCE`` (5%, relative) of ``ratio``, i.e. whenever the
+``floor`` and the ``k >= 1`` floor do not move the budget by more than that; otherwise fibers run along
+the longer axis of ``M`` (1 on ties), as before. Rows are contiguous in memory, so their selection streams
+through the tensor, while column fibers walk it with a stride (several times slower per entry). The
+authors select along dim 1 of the
 *native* shape: for a conv weight ``[Cout, Cin, kh, kw]`` that is one fiber of length ``Cin`` per
 ``(cout, kh, kw)``, and for the first conv (``Cin=3``) ``k >= 1`` inflates the density to 33%. Viewing
 ``[d0, -1]`` gives fibers of length ``Cin*kh*kw``, and picking the longer axis keeps an embedding
@@ -107,11 +112,24 @@ def matrix_view_shape(shape: Tuple[int, ...]) -> Tuple[int, int]:
     return rows, cols
 
 
-def resolve_axis(rows: int, cols: int, axis: Axis) -> int:
-    """Turn ``axis`` (0, 1 or "auto") into 0 or 1. "auto": fibers along the longer axis (1 on ties)."""
+#: "auto" keeps contiguous row fibers while ``|k / cols - ratio| <= AUTO_DENSITY_TOLERANCE * ratio``.
+AUTO_DENSITY_TOLERANCE = 0.05
+
+
+def resolve_axis(rows: int, cols: int, axis: Axis, ratio: Optional[float] = None) -> int:
+    """Turn ``axis`` (0, 1 or "auto") into 0 or 1.
+
+    "auto": row fibers (1) when ``ratio`` is given and their effective density ``keep_count(ratio, cols) /
+    cols`` is within ``AUTO_DENSITY_TOLERANCE`` of ``ratio`` (relative); else fibers along the longer axis
+    (1 on ties).
+    """
     if isinstance(axis, str):
         if axis != "auto":
             raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
+        if ratio is not None and cols > 0:
+            density = keep_count(ratio, cols) / cols
+            if abs(density - ratio) <= AUTO_DENSITY_TOLERANCE * ratio:
+                return 1
         return 1 if cols >= rows else 0
     if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (0, 1):
         raise ValueError(f"axis must be 0, 1 or 'auto', got {axis!r}")
@@ -121,9 +139,10 @@ def resolve_axis(rows: int, cols: int, axis: Axis) -> int:
 def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto") -> FiberLayout:
     """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``."""
     rows, cols = matrix_view_shape(tuple(shape))
-    ax = resolve_axis(rows, cols, axis)
+    ratio = check_ratio(ratio)
+    ax = resolve_axis(rows, cols, axis, ratio)
     fiber_len = cols if ax == 1 else rows
-    return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(check_ratio(ratio), fiber_len))
+    return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(ratio, fiber_len))
 
 
 

@@ -11,8 +11,17 @@ from typing import Dict, List
 import numpy as np
 
 
-def resolve_axis(rows: int, cols: int, axis) -> int:
+AUTO_TOLERANCE = 0.05  # the documented tolerance of axis="auto" (README / selection docs)
+
+
+def resolve_axis(rows: int, cols: int, axis, ratio=None) -> int:
+    """axis="auto": row fibers when k = max(1, floor(ratio * cols)) keeps k / cols within 5% (relative) of
+    ratio; otherwise the longer axis (rows on ties)."""
     if axis == "auto":
+        if ratio is not None and cols > 0:
+            k_row = max(1, int(math.floor(ratio * cols)))
+            if abs(k_row - ratio * cols) <= AUTO_TOLERANCE * ratio * cols:
+                return 1
         return 1 if cols >= rows else 0
     return int(axis)
 
@@ -21,7 +30,7 @@ def adtopk_mask(a: np.ndarray, ratio: float, axis) -> np.ndarray:
     """Every fiber of ``a.reshape(d0, -1)`` keeps its max(1, floor(ratio * len)) largest |entries|."""
     m = a.reshape(a.shape[0], -1)
     rows, cols = m.shape
-    ax = resolve_axis(rows, cols, axis)
+    ax = resolve_axis(rows, cols, axis, ratio)
     mt = m if ax == 1 else m.T
     k = max(1, int(math.floor(ratio * mt.shape[1])))
     mag = np.abs(mt)
@@ -55,7 +64,7 @@ def adtopk_is_sparse(shape, ratio, axis, elem_bytes: int, value_bytes: int, min_
     if len(shape) < 2 or int(np.prod(shape)) < min_numel:
         return False
     rows, cols = shape[0], int(np.prod(shape[1:]))
-    ax = resolve_axis(rows, cols, axis)
+    ax = resolve_axis(rows, cols, axis, ratio)
     fib_len, nfib = (cols, rows) if ax == 1 else (rows, cols)
     k = max(1, int(math.floor(ratio * fib_len)))
     payload = nfib * k * (value_bytes + index_bytes(fib_len - 1))

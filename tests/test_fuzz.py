@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from horovod_adtopk import wire
 from horovod_adtopk.compressors import Compression, TensorInfo
+from tests import reference as ref
 
 
 FULL = "--full" in __import__("sys").argv
@@ -28,10 +29,10 @@ ratios = st.one_of(st.floats(min_value=1e-6, max_value=1.0), st.sampled_from([0.
 axes = st.sampled_from([0, 1, "auto", 2, -1, "x"])
 
 
-def fiber_view(a: np.ndarray, axis):
+def fiber_view(a: np.ndarray, axis, ratio: float):
     rows = a.shape[0]
     m = a.reshape(rows, -1)
-    ax = (1 if m.shape[1] >= rows else 0) if axis == "auto" else axis
+    ax = ref.resolve_axis(rows, m.shape[1], axis, ratio)
     return (m if ax == 1 else m.T), ax
 
 
@@ -73,8 +74,8 @@ def test_adtopk_fuzz(shape, dtype, ratio, axis, n_bad, seed, wire_half):
     if an.size == 0:
         assert s.values.numel() == 0
     else:
-        fibers, _ = fiber_view(an, axis)
-        chosen_f, _ = fiber_view(chosen.reshape(an.shape), axis)
+        fibers, _ = fiber_view(an, axis, ratio)
+        chosen_f, _ = fiber_view(chosen.reshape(an.shape), axis, ratio)
         k = max(1, math.floor(ratio * fibers.shape[1]))
         assert (chosen_f.sum(axis=1) == k).all()
         mag = np.where(np.isnan(fibers), np.inf, np.abs(fibers))

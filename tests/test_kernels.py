@@ -366,3 +366,78 @@ def test_fuzz_adtopk_and_topk(impl, case):
     run_adtopk(a0, rows, cols, axis, k, impl, with_grad=with_grad, zero_sent=zero_sent, seed=seed + 1)
     kg = max(1, min(rows * cols, int(math.ceil(k * (rows * cols) / (cols if axis == 1 else rows)))))
     run_topk(a0, kg, impl, with_grad=with_grad, zero_sent=zero_sent)
+
+
+# --- SIMD paths and threads -----------------------------------------------------------------------------------------
+
+
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _bits(x: torch.Tensor) -> np.ndarray:
+    """The raw bits (so NaN payloads and signed zeros count)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.contiguous().view(view).numpy().copy()
+
+
+def _select_all(dtype):
+    """Fused add + ADTopk (rows, columns; full and partial tiles) and global top-k on data with NaN, Inf and
+    ties; returns the raw bits of every output and of the updated tensors, and the masks."""
+    out, masks = [], []
+    for rows, cols, axis, k in [(300, 2048, 1, 20), (37, 3000, 1, 7), (2051, 40, 0, 5), (1000, 64, 0, 3),
+                                (17, 130, 1, 1)]:
+        a = make((rows, cols), dtype, seed=rows + cols)
+        g = make((rows, cols), dtype, seed=3)
+        a.view(-1)[::97] = float("nan")
+        g.view(-1)[::89] = float("inf")
+        a.view(-1)[5::50] = 1.0  # ties
+        expect = a + g
+        values, local = K.adtopk_select(a, rows, cols, axis, k, grad=g, zero_sent=True)
+        out += [_bits(a), _bits(values), local.numpy().copy()]
+        masks.append((as_np(expect), axis, k, local))
+    a = make((5000, 33), dtype, seed=9)
+    g = make((5000, 33), dtype, seed=10)
+    values, flat = K.topk_select(a, 1500, grad=g, zero_sent=True)
+    return out + [_bits(a), _bits(values), flat.numpy().copy()], masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_simd_scalar_and_threads_give_identical_bits(monkeypatch, dtype):
+    """AVX2 vs HOROVOD_ADTOPK_SIMD=0, 1 vs 2 threads: bit-identical, and the reference's selection."""
+    if not K.native_available():
+        pytest.skip(NATIVE_SKIP)
+    from horovod_adtopk import _C
+    monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", "1")
+    has_avx2 = {"avx2", "f16c"} <= _cpu_flags()
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for simd in ("1", "0"):
+            monkeypatch.setenv("HOROVOD_ADTOPK_SIMD", simd)
+            assert _C.simd_path() == ("avx2" if simd == "1" and has_avx2 else "scalar")
+            for nt in (1, 2):
+                torch.set_num_threads(nt)
+                runs[(simd, nt)] = _select_all(dtype)
+    finally:
+        torch.set_num_threads(threads)
+    base, masks = runs[("0", 1)]
+    for key, (out, _) in runs.items():
+        for x, y in zip(out, base):
+            np.testing.assert_array_equal(x, y, err_msg=f"SIMD={key[0]} threads={key[1]} differs from scalar, 1 thread")
+    for e, axis, k, local in masks:
+        want = ref.adtopk_mask(e, ratio_for(k, e.shape[1] if axis == 1 else e.shape[0]), axis)
+        got = np.zeros(e.shape, dtype=bool)
+        rows_idx = np.repeat(np.arange(local.shape[0]), k)
+        if axis == 1:
+            got[rows_idx, local.numpy().reshape(-1)] = True
+        else:
+            got[local.numpy().reshape(-1), rows_idx] = True
+        np.testing.assert_array_equal(got, want)

@@ -141,7 +141,7 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
                 want_bytes += numel * elem * case["steps"]
                 continue
             rows, cols = shape[0], numel // shape[0]
-            ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"))
+            ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))
             entries = nfib * k  # one block: values and indices, each padded to 8 bytes

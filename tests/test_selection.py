@@ -33,12 +33,30 @@ def test_adtopk_matches_reference(shape, axis, ratio):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(s.values.numpy(), a.reshape(-1).numpy()[s.flat.numpy()])  # signed values
     rows, cols = shape[0], int(np.prod(shape[1:]))
-    ax = ref.resolve_axis(rows, cols, axis)
+    ax = ref.resolve_axis(rows, cols, axis, ratio)
     fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
     assert s.values.numel() == nfib * max(1, math.floor(ratio * fib))
     # wire indices are fiber-local and decode back to the same flat positions
     assert int(s.wire_index.max()) < fib
     assert torch.equal(s.codec.to_flat(s.wire_index.to(s.codec.index_dtype)), s.flat)
+
+
+@pytest.mark.parametrize("shape,ratio,axis", [
+    ((4096, 2048), 0.01, 1),    # the MLP's first layer: rows (k=20 of 2048, -2.3%), no longer strided columns
+    ((4096, 2048), 0.001, 1),   # k=2 of 2048: -2.3%
+    ((30522, 768), 0.01, 0),    # BERT embeddings: rows would keep 7 of 768 (-8.9%): the longer axis
+    ((3072, 768), 0.01, 0),     # -8.9% as rows: columns
+    ((300, 100), 0.1, 1),       # k=10 of 100 exactly: rows although columns are longer
+    ((300, 50), 0.01, 0),       # k>=1 inflates rows to 2%: columns (k=3 of 300)
+    ((50, 300), 0.001, 1),      # neither axis near 0.1%: the longer axis, as before
+])
+def test_auto_axis_prefers_contiguous_rows_within_tolerance(shape, ratio, axis):
+    layout = sel.fiber_layout(shape, ratio, "auto")
+    assert layout.axis == axis == ref.resolve_axis(shape[0], shape[1], "auto", ratio)
+    row_density = max(1, math.floor(ratio * shape[1])) / shape[1]
+    assert (abs(row_density / ratio - 1) <= 0.05) == (axis == 1) or shape[1] >= shape[0]
+    for explicit in (0, 1):  # explicit choices are left alone
+        assert sel.fiber_layout(shape, ratio, explicit).axis == explicit
 
 
 def test_every_fiber_keeps_an_entry_where_global_topk_starves_rows():

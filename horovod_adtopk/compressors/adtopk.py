@@ -19,8 +19,8 @@ class ADTopkCompressor(SparseCompressor):
     """All-dimension top-k (see :mod:`horovod_adtopk.selection`). ``axis``: 0, 1 or "auto"."""
 
     name = "adtopk"
-    summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (fibers along the longer axis); "
-               "fixed size, fiber-local int16/int32 indices")
+    summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (contiguous rows when their "
+               "density is within 5% of ratio, else the longer axis); fixed size, fiber-local int16/int32 indices")
 
     def __init__(self, ratio: float, axis="auto", **kwargs) -> None:
         super().__init__(ratio, **kwargs)

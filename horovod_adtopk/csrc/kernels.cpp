@@ -20,6 +20,16 @@
 // come out in ascending order.
 //
 // When k is a large share of the fiber (too few groups per kept entry) all entries are candidates.
+//
+// SIMD
+// ----
+// The two first passes (interleaved group maxima of row fibers and the flat tensor; block maxima of column
+// tiles) have explicit AVX2 versions for float32, float16 (F16C conversions) and bfloat16, compiled with
+// per-function target attributes (the rest of the file, and the build, stay generic x86-64) and chosen at
+// run time when the CPU has AVX2 and F16C, unless HOROVOD_ADTOPK_SIMD=0 (read on every call). They compute
+// exactly what the scalar loops compute (the same rounded sum in the tensor's dtype, the same keys; max of
+// non-NaN keys is exact), so results never depend on the path taken, nor on the number of threads (every
+// fiber is selected by one thread, with the same algorithm).
 
 #include <torch/extension.h>
 
@@ -29,10 +39,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAT_X86_SIMD 1
+#define HAT_AVX2 __attribute__((target("avx2,f16c")))
+#else
+#define HAT_X86_SIMD 0
+#endif
 
 namespace {
 
@@ -137,6 +157,96 @@ template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c,
   }
 }
 
+
+// ---- AVX2 -------------------------------------------------------------------------------------------------
+
+// Whether the CPU can run the AVX2 paths (checked once).
+bool cpu_has_avx2() {
+#if HAT_X86_SIMD
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether this call takes the AVX2 paths: the CPU has them and HOROVOD_ADTOPK_SIMD is not "0".
+bool use_simd() {
+  if (!cpu_has_avx2()) return false;
+  const char* e = std::getenv("HOROVOD_ADTOPK_SIMD");
+  return e == nullptr || std::strcmp(e, "0") != 0;
+}
+
+std::string simd_path() { return use_simd() ? "avx2" : "scalar"; }
+
+#if HAT_X86_SIMD
+// 8 lanes of T as float: load, and store of a float rounded to T exactly as static_cast<T>(float) does.
+template <typename T> struct Lanes;
+
+template <> struct Lanes<float> {
+  static HAT_AVX2 inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  // Stores v; returns the stored value as float.
+  static HAT_AVX2 inline __m256 store(float* p, __m256 v) {
+    _mm256_storeu_ps(p, v);
+    return v;
+  }
+};
+
+template <> struct Lanes<c10::Half> {
+  static HAT_AVX2 inline __m256 load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static HAT_AVX2 inline __m256 store(c10::Half* p, __m256 v) {
+    __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // c10::Half writes every NaN as sign | 0x7E00; F16C keeps payload bits: make them the same.
+    const __m256i nan32 = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m128i nan = _mm_packs_epi32(_mm256_castsi256_si128(nan32), _mm256_extracti128_si256(nan32, 1));
+    const __m128i canon = _mm_or_si128(_mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0x8000))),
+                                       _mm_set1_epi16(0x7E00));
+    h = _mm_blendv_epi8(h, canon, nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return _mm256_cvtph_ps(h);
+  }
+};
+
+template <> struct Lanes<c10::BFloat16> {
+  static HAT_AVX2 inline __m256 widen(__m128i b) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+  static HAT_AVX2 inline __m256 load(const c10::BFloat16* p) {
+    return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // Round to nearest even as c10::BFloat16(float) does, NaN -> 0x7FC0.
+  static HAT_AVX2 inline __m256 store(c10::BFloat16* p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(u, 16),
+                                                                                      _mm256_set1_epi32(1)));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m128i b = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
+    return widen(b);
+  }
+};
+
+// |v| with NaN -> +inf (key_of on 8 lanes).
+HAT_AVX2 inline __m256 keys8(__m256 v) {
+  const __m256 mag = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+  return _mm256_blendv_ps(mag, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// 8 keys of x[0..8), after x += g when g is given (the sum rounded to T, as add_as).
+template <typename T> HAT_AVX2 inline __m256 step8(T* x, const T* g) {
+  if (g == nullptr) return keys8(Lanes<T>::load(x));
+  return keys8(Lanes<T>::store(x, _mm256_add_ps(Lanes<T>::load(x), Lanes<T>::load(g))));
+}
+#endif
+
+template <typename T> struct HasLanes { static constexpr bool value = false; };
+template <> struct HasLanes<float> { static constexpr bool value = true; };
+template <> struct HasLanes<c10::Half> { static constexpr bool value = true; };
+template <> struct HasLanes<c10::BFloat16> { static constexpr bool value = true; };
+
 // ---- segments with interleaved groups ------------------------------------------------------------------
 //
 // A contiguous segment of length L has G = L / BLOCK groups; group j holds entries j, j + G, ...,
@@ -146,7 +256,7 @@ template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c,
 
 // First pass: x += g (optional), group maxima of the keys into gm[0..G).
 template <typename T, typename A>
-void pass_segment(T* __restrict x, const T* __restrict g, int64_t L, A* __restrict gm) {
+void pass_segment_scalar(T* __restrict x, const T* __restrict g, int64_t L, A* __restrict gm) {
   const int64_t G = L / BLOCK;
   if (g != nullptr)
     for (int64_t i = BLOCK * G; i < L; ++i) x[i] = add_as<T, A>(x[i], g[i]);
@@ -172,6 +282,41 @@ void pass_segment(T* __restrict x, const T* __restrict g, int64_t L, A* __restri
       }
     }
   }
+}
+
+#if HAT_X86_SIMD
+// pass_segment_scalar on 8 groups at a time (float keys only).
+template <typename T>
+HAT_AVX2 void pass_segment_avx2(T* __restrict x, const T* __restrict g, int64_t L, float* __restrict gm) {
+  const int64_t G = L / BLOCK;
+  if (g != nullptr)
+    for (int64_t i = BLOCK * G; i < L; ++i) x[i] = add_as<T, float>(x[i], g[i]);
+  if (G == 0) return;
+  const int64_t G8 = G - G % 8;
+  for (int64_t r = 0; r < BLOCK; ++r) {
+    T* __restrict xr = x + r * G;
+    const T* __restrict gr = g != nullptr ? g + r * G : nullptr;
+    for (int64_t j = 0; j < G8; j += 8) {
+      const __m256 kv = step8<T>(xr + j, gr != nullptr ? gr + j : nullptr);
+      _mm256_storeu_ps(gm + j, r == 0 ? kv : _mm256_max_ps(_mm256_loadu_ps(gm + j), kv));
+    }
+    for (int64_t j = G8; j < G; ++j) {
+      if (gr != nullptr) xr[j] = add_as<T, float>(xr[j], gr[j]);
+      const float kv = key_of<float>(xr[j]);
+      gm[j] = r == 0 ? kv : (gm[j] > kv ? gm[j] : kv);
+    }
+  }
+}
+#endif
+
+template <typename T, typename A>
+void pass_segment(T* x, const T* g, int64_t L, A* gm, bool simd) {
+#if HAT_X86_SIMD
+  if constexpr (HasLanes<T>::value) {
+    if (simd) return pass_segment_avx2<T>(x, g, L, gm);
+  }
+#endif
+  pass_segment_scalar<T, A>(x, g, L, gm);
 }
 
 // Groups of a segment whose maximum reaches t, ascending, into hits; returns how many.
@@ -216,6 +361,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
   using A = typename AccOf<T>::type;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));
   const bool direct = direct_select(n, k);
+  const bool simd = use_simd();
   const int64_t G = n / BLOCK;
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     Scratch<A> s;
@@ -238,7 +384,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
         }
         c = n;
       } else {
-        pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get());
+        pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get(), simd);
         // The k-th largest group maximum t is a lower bound of the fiber's k-th largest key.
         const A t = group_threshold(gm.get(), G, k, s.tmp.get());
         const int64_t h = hit_groups(gm.get(), G, t, s.hits.get());
@@ -290,12 +436,53 @@ void pass_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t
   }
 }
 
+#if HAT_X86_SIMD
+// pass_tile on a full tile of TILE = 16 columns, two 8-lane vectors per row (float keys only).
+template <typename T>
+HAT_AVX2 void pass_tile_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, float* bm, float* kbuf) {
+  static_assert(TILE == 16, "pass_tile_avx2 handles 16 columns");
+  const int64_t nb = num_blocks(rows);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+    const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
+    for (int64_t i = lo; i < hi; ++i) {
+      T* x = a + i * cols + c0;
+      const T* gi = g != nullptr ? g + i * cols + c0 : nullptr;
+      if (i + PREFETCH_ROWS < rows) {
+        __builtin_prefetch(x + PREFETCH_ROWS * cols, 1);
+        if (gi != nullptr) __builtin_prefetch(gi + PREFETCH_ROWS * cols, 0);
+      }
+      const __m256 k0 = step8<T>(x, gi);
+      const __m256 k1 = step8<T>(x + 8, gi != nullptr ? gi + 8 : nullptr);
+      _mm256_storeu_ps(kbuf + i * TILE, k0);
+      _mm256_storeu_ps(kbuf + i * TILE + 8, k1);
+      m0 = _mm256_max_ps(m0, k0);
+      m1 = _mm256_max_ps(m1, k1);
+    }
+    _mm256_storeu_ps(bm + b * TILE, m0);
+    _mm256_storeu_ps(bm + b * TILE + 8, m1);
+  }
+}
+#endif
+
+// Full tiles through pass_tile_avx2 when simd (and T has float keys), else the scalar pass_tile.
+template <typename T, typename A>
+void pass_full_tile(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, A* bm, A* kbuf, bool simd) {
+#if HAT_X86_SIMD
+  if constexpr (HasLanes<T>::value) {
+    if (simd) return pass_tile_avx2<T>(a, g, rows, cols, c0, bm, kbuf);
+  }
+#endif
+  pass_tile<T, A, TILE>(a, g, rows, cols, c0, TILE, bm, kbuf);
+}
+
 template <typename T>
 void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool zero_sent, T* values, int64_t* local) {
   using A = typename AccOf<T>::type;
   const int64_t n = rows, nb = num_blocks(rows);
   const int64_t tiles = (cols + TILE - 1) / TILE;
   const bool direct = direct_select(n, k);
+  const bool simd = use_simd();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     const int64_t cap = n + BLOCK;
     auto ckey = buffer<A>(TILE * cap);
@@ -309,7 +496,7 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * TILE, nc = std::min(TILE, cols - c0);
       if (nc == TILE)
-        pass_tile<T, A, TILE>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
+        pass_full_tile<T, A>(a, g, rows, cols, c0, bm.get(), kbuf.get(), simd);
       else
         pass_tile<T, A, 0>(a, g, rows, cols, c0, nc, bm.get(), kbuf.get());
       for (int64_t c = 0; c < nc; ++c) {
@@ -398,9 +585,10 @@ void topk_flat(T* a, const T* g, int64_t n, int64_t k, bool zero_sent, at::Tenso
   auto chunk_len = [&](int64_t q) { return std::min(CHUNK, n - q * CHUNK); };
   const int64_t ng = (nch - 1) * GPC + chunk_len(nch - 1) / BLOCK;  // groups overall (chunk q's at q * GPC)
   auto gm = buffer<A>(nch * GPC);
+  const bool simd = use_simd();
   at::parallel_for(0, nch, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q)
-      pass_segment<T, A>(a + q * CHUNK, g ? g + q * CHUNK : nullptr, chunk_len(q), gm.get() + q * GPC);
+      pass_segment<T, A>(a + q * CHUNK, g ? g + q * CHUNK : nullptr, chunk_len(q), gm.get() + q * GPC, simd);
   });
 
   // Threshold on the group maxima: any t with at least k maxima >= t is a valid lower bound of the k-th
@@ -646,9 +834,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native CPU selection kernels of horovod_adtopk (use horovod_adtopk.kernels)";
   m.def("adtopk_select", &adtopk_select, "Per-fiber exact top-k of |a| (optionally a += grad first)",
         py::arg("a"), py::arg("rows"), py::arg("cols"), py::arg("axis"), py::arg("k"), py::arg("grad") = py::none(),
-        py::arg("zero_sent") = false);
+        py::arg("zero_sent") = false, py::call_guard<py::gil_scoped_release>());
   m.def("topk_select", &topk_select, "Exact global top-k of |a|", py::arg("a"), py::arg("k"),
-        py::arg("grad") = py::none(), py::arg("zero_sent") = false);
+        py::arg("grad") = py::none(), py::arg("zero_sent") = false, py::call_guard<py::gil_scoped_release>());
+  m.def("simd_path", &simd_path,
+        "The first-pass code a call would take now: 'avx2' (CPU with AVX2 + F16C, HOROVOD_ADTOPK_SIMD not 0) or "
+        "'scalar'");
   m.def("threshold_select", &threshold_select, "Entries with |a| >= t or non-finite", py::arg("a"), py::arg("t"));
   m.def("count_at_least", &count_at_least, "Number of entries with |a| >= t or non-finite", py::arg("a"),
         py::arg("t"));

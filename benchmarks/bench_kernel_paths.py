@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""What the axis rule, the AVX2 paths and threads buy, per layer shape, against the memory limit.
+
+How to run (from the repository root, the native kernel built)::
+
+    python benchmarks/bench_kernel_paths.py                 # about 2 minutes on one idle core
+    python benchmarks/bench_kernel_paths.py --repeats 5 --dtypes float32 float16 bfloat16
+
+For every shape (the 25M MLP's weight matrices, VGG-16 fc6/fc7, BERT-base embeddings and layer matrices,
+a ResNet-50 3x3 conv) it times the fused error-feedback selection the optimizer runs on the CPU:
+``kernels.adtopk_select(r, rows, cols, axis, k, grad=g, zero_sent=True)`` (``r += g``, per-fiber top-k,
+sent entries zeroed), in four configurations, interleaved repeat by repeat (so a change of machine load
+hits all of them alike):
+
+- ``before``: the old "auto" (fibers along the longer axis), the scalar first pass (``HOROVOD_ADTOPK_SIMD=0``);
+- ``simd``: the old "auto", the AVX2 first pass;
+- ``rule``: the new "auto" (``selection.resolve_axis`` with ``ratio``: contiguous rows within 5% of ratio),
+  the AVX2 first pass;
+- ``rule+2t``: as ``rule`` with 2 torch threads (fibers split between threads).
+
+and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``
+(``r.add_(g)``: reads r and g, writes r, the bytes the fused selection must move at least, so its time is
+the memory limit of the selection). Reported: the best of the repeats per configuration (preemption on a
+shared machine only adds time; medians are in the JSON), ratios to
+``read`` and ``add``, and the achieved bandwidth of ``add`` (bytes read + written / time).
+Output: a table on stdout and ``bench_results/kernel_paths.json`` (``--out``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import common
+from horovod_adtopk import kernels, selection
+
+SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 4096),
+          "vgg16.fc6 [4096,25088]": (4096, 25088), "vgg16.fc7 [4096,4096]": (4096, 4096),
+          "bert.word_emb [30522,768]": (30522, 768), "bert.ffn_in [3072,768]": (3072, 768),
+          "bert.ffn_out [768,3072]": (768, 3072), "bert.attn [768,768]": (768, 768),
+          "resnet50.conv3x3 [256,2304]": (256, 2304)}
+CONFIGS = ("before", "simd", "rule", "rule+2t")
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float) -> float:
+    """Seconds of one fused selection of ``name`` on fresh copies of r."""
+    rows, cols = r.shape
+    old_axis = 1 if cols >= rows else 0
+    axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
+    k = selection.keep_count(ratio, cols if axis == 1 else rows)
+    os.environ["HOROVOD_ADTOPK_SIMD"] = "0" if name == "before" else "1"
+    torch.set_num_threads(2 if name.endswith("2t") else 1)
+    x = r.clone()
+    try:
+        return timed(lambda: kernels.adtopk_select(x, rows, cols, axis, k, grad=g, zero_sent=True))
+    finally:
+        torch.set_num_threads(1)
+        os.environ.pop("HOROVOD_ADTOPK_SIMD", None)
+
+
+def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int) -> Dict[str, float]:
+    gen = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
+    r = torch.randn(shape, generator=gen).to(dtype)
+    g = torch.randn(shape, generator=gen).to(dtype)
+    times: Dict[str, List[float]] = {c: [] for c in (*CONFIGS, "read", "add")}
+    for rep in range(repeats + 1):  # the first round is a warm-up
+        for c in CONFIGS:
+            t = one_config(c, r, g, ratio)
+            if rep:
+                times[c].append(t)
+        x = r.clone()
+        t_read, t_add = timed(lambda: g.sum()), timed(lambda: x.add_(g))
+        if rep:
+            times["read"].append(t_read)
+            times["add"].append(t_add)
+    # best of the repeats: on a shared machine preemptions only ever add time (medians are in the JSON)
+    out = {c: min(v) for c, v in times.items()}
+    out["median"] = {c: statistics.median(v) for c, v in times.items()}
+    rows, cols = shape
+    out["axis_before"] = 1 if cols >= rows else 0
+    out["axis_rule"] = selection.resolve_axis(rows, cols, "auto", ratio)
+    out["add_gbytes_per_s"] = 3 * r.numel() * r.element_size() / out["add"] / 1e9
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--out", default=str(common.REPO_ROOT / "bench_results" / "kernel_paths.json"))
+    a = ap.parse_args()
+    if not kernels.native_available():
+        raise SystemExit("bench_kernel_paths: the native kernel is not built (python setup.py build_ext --inplace)")
+    torch.set_num_threads(1)
+    report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats, "results": {}}
+    head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
+            "before/add", "rule/add", "rule/read", "add GB/s"]
+    rows = []
+    for dt in a.dtypes:
+        for name, shape in SHAPES.items():
+            m = measure_shape(shape, getattr(torch, dt), a.ratio, a.repeats)
+            report["results"][f"{name} {dt}"] = m
+            rows.append([name, dt, f"{m['axis_before']}->{m['axis_rule']}", *[f"{m[c] * 1e3:.1f}" for c in CONFIGS],
+                         f"{m['read'] * 1e3:.2f}", f"{m['add'] * 1e3:.2f}", f"{m['before'] / m['add']:.1f}",
+                         f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
+            print(rows[-1], flush=True)
+    report["machine"]["loadavg_end"] = list(os.getloadavg())
+    text = common.table(head, rows)
+    print(text)
+    report["table"] = text
+    common.write_json(a.out, report)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
