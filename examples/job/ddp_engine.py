@@ -9,6 +9,7 @@ SGD whose ``state_dict`` carries the hook's state (every rank's residuals in a c
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 from datetime import timedelta
 from typing import Any, List
@@ -83,6 +84,7 @@ class DDPEngine:
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
         self.cuda = torch.cuda.is_available() and not args.no_cuda
         dist.init_process_group("nccl" if self.cuda else "gloo", timeout=timedelta(seconds=120))
+        atexit.register(_shutdown)  # an orderly end of the process group's threads before the interpreter's
         self.init_mode = "torchrun"
 
     @property
@@ -155,6 +157,11 @@ class DDPEngine:
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def model_device(model: torch.nn.Module) -> int:
