@@ -15,6 +15,9 @@ whose parameter names carry the mode's index, so that no two modes ever share a 
 - ``ddp-powersgd``: ``torch.nn.parallel.DistributedDataParallel`` with the PowerSGD (rank 1) comm hook, on a
   Gloo process group over a TCP store on 127.0.0.1 (port chosen by rank 0, broadcast through Horovod), with
   a single DDP bucket (several buckets make the hook's collectives mismatch between ranks on Gloo);
+- ``ddp-powersgdR``: the same at rank ``R`` (``ddp-powersgd``: ``--powersgd-rank``);
+- ``ddp-dense``: DDP without a hook (its own bucketed allreduce, default 25 MB buckets);
+- ``ddp-NAME``: DDP with ``horovod_adtopk.ddp``'s hook and compressor NAME (``ddp-adtopk``), default buckets;
 - any other name: a ``horovod_adtopk`` compressor, ``hat.DistributedOptimizer`` with ``ratio``.
 
 With ``rounds > 1`` the whole list of modes runs ``rounds`` times in turn (interleaved, so that a change
@@ -138,21 +141,32 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
         return model, base, "compute", None
     if mode in DENSE_HVD:
         return model, hvd.DistributedOptimizer(base, named_parameters=named, compression=DENSE_HVD[mode]), "hvd", None
-    if mode == "ddp-powersgd":
+    if mode == "ddp-dense" or (mode.startswith("ddp-") and not mode.startswith("ddp-powersgd")):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ensure_torch_dist()
+        ddp = DDP(model)  # default buckets (25 MB): communication overlaps the backward pass
+        state = None
+        if mode != "ddp-dense":  # our hook: ddp-adtopk, ddp-topk, ...
+            state = hat.ddp.register(ddp, hat.Compression.get(mode[4:], ratio=cfg["ratio"]))
+        base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
+        return ddp, base, "ddp-hat" if state is not None else "ddp-dense", state
+    psgd_rank = re.fullmatch(r"ddp-powersgd(\d*)", mode)
+    if psgd_rank:
         from torch.nn.parallel import DistributedDataParallel as DDP
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
         ensure_torch_dist()
+        rank = int(psgd_rank.group(1) or cfg["powersgd_rank"])
         # One bucket for the whole model: with several buckets the hook's chained collectives (allreduce of
         # the uncompressed part, then of P, then of Q) are issued from future callbacks in an order that can
         # differ between ranks, which Gloo reports as a size mismatch (pytorch/pytorch#58467 area). With one
         # bucket the communication starts only once the backward pass is over (no overlap).
         cap_mb = max(25, -(-4 * sum(p.numel() for p in model.parameters()) // (1 << 20)) + 1)
         ddp = DDP(model, bucket_cap_mb=cap_mb)
-        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["powersgd_rank"],
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                        start_powerSGD_iter=2, min_compression_rate=2)
         ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
         base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
-        return ddp, base, "ddp", state
+        return ddp, base, f"ddp-powersgd{rank}", state
     partial = mode.endswith("-p")  # e.g. adtopk-p: partial sparsification decides per tensor after warm-up
     name = mode[:-2] if partial else mode
     psgd = re.fullmatch(r"powersgd(\d*)", name)  # our PowerSGD: powersgd (rank --powersgd-rank) or powersgdR
@@ -197,7 +211,7 @@ def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) ->
     nparams = sum(p.numel() for p in model.parameters())
     batches = make_batches(cfg["model"], cfg["batch"], cfg["seq_len"], 4, seed=7919 * (rank + 1) + idx)
     net, opt, kind, _state = build_mode(mode, idx + 1000 * round_, model, cfg)  # fresh tensor names
-    warmup = max(cfg["warmup"], 3) if kind == "ddp" else cfg["warmup"]
+    warmup = max(cfg["warmup"], 3) if kind.startswith("ddp") else cfg["warmup"]
 
     def one_step(i: int) -> float:
         x, y = batches[i % len(batches)]
@@ -208,8 +222,9 @@ def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) ->
         opt.step()
         return time.perf_counter() - t0
 
-    times, stats0 = time_steps(one_step, warmup, cfg, comm, tag, lambda: opt.stats() if kind == "hat" else None)
-    stats1 = opt.stats() if kind == "hat" else None
+    stats_of = (lambda: opt.stats()) if kind == "hat" else (lambda: _state.stats()) if kind == "ddp-hat" else None
+    times, stats0 = time_steps(one_step, warmup, cfg, comm, tag, lambda: stats_of() if stats_of else None)
+    stats1 = stats_of() if stats_of else None
     all_times = comm.allgather_object(times, f"bench_step.times.{tag}")
     per_step_max = [max(ts[j] for ts in all_times) for j in range(len(times))]
     res = {
@@ -223,7 +238,7 @@ def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) ->
         "step_times_max_over_ranks_s": per_step_max,
     }
     n = len(times)
-    if kind == "hat":
+    if kind in ("hat", "ddp-hat"):
         d = {k: stats1[k] - stats0[k] for k in ("bytes_sent", "bytes_dense", "elements_sent", "elements_total",
                                                "compress_seconds", "decompress_seconds", "steps")}
         res.update({
@@ -232,14 +247,19 @@ def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) ->
             "density": d["elements_sent"] / d["elements_total"] if d["elements_total"] else 0.0,
             "compress_s_per_step": d["compress_seconds"] / n,
             "decompress_s_per_step": d["decompress_seconds"] / n,
-            "bytes_source": "opt.stats() (rank 0)",
+            "bytes_source": "opt.stats() (rank 0)" if kind == "hat" else "hat.ddp state.stats() (rank 0)",
         })
+        if kind == "ddp-hat":
+            res["note"] = "DDP + horovod_adtopk.ddp hook, default 25 MB buckets"
     elif kind == "hvd":
         per = 2 if mode == "hvd-fp16" else 4
         res.update({"bytes_sent_per_step": per * nparams, "bytes_dense_per_step": 4 * nparams,
                     "bytes_source": "numel x element size (allreduce input)"})
-    elif kind == "ddp":
-        res.update({"bytes_sent_per_step": powersgd_bytes_estimate(model, cfg["powersgd_rank"]),
+    elif kind == "ddp-dense":
+        res.update({"bytes_sent_per_step": 4 * nparams, "bytes_dense_per_step": 4 * nparams,
+                    "bytes_source": "numel x element size (allreduce input)", "note": "DDP, default 25 MB buckets"})
+    elif kind.startswith("ddp-powersgd"):
+        res.update({"bytes_sent_per_step": powersgd_bytes_estimate(model, int(kind[len("ddp-powersgd"):])),
                     "bytes_dense_per_step": 4 * nparams, "bytes_source": "estimate from shapes (P+Q factors)",
                     "note": "DDP with a single bucket (comm after backward), PowerSGD from iteration 2"})
     else:

@@ -99,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--np", type=lambda s: [int(x) for x in csv(s)], default=None, help="world sizes (default 2,4)")
     ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28)")
     ap.add_argument("--modes", type=csv, default=None,
-                    help="compute-noinit,compute,hvd-dense,hvd-fp16,ddp-powersgd and compressor names; 'ours' "
-                         "expands to "
+                    help="compute-noinit,compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: "
+                         "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME) and "
+                         "compressor names; 'ours' expands to "
                          f"--compressors (default {','.join(DEFAULT_MODES)})")
     ap.add_argument("--compressors", type=csv, default=None,
                     help=f"horovod_adtopk compressors for 'ours' (default {','.join(DEFAULT_COMPRESSORS)})")
@@ -166,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for m in a.modes:
         base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
         if re.fullmatch(r"powersgd\d+", base_name):  # our PowerSGD at rank R (powersgd4)
+            continue
+        ddp = re.fullmatch(r"ddp-(dense|powersgd\d*|(.+))", m)  # DDP engine: dense, PyTorch PowerSGD[R], our hook
+        if ddp and (ddp.group(2) is None or ddp.group(2).replace("-", "_") in _REGISTRY):
             continue
         if m not in known_dense and base_name.replace("-", "_") not in _REGISTRY:
             ap.error(f"unknown mode {m!r}; modes: {', '.join(sorted(known_dense))} or a compressor "
@@ -454,7 +458,7 @@ def print_table(cells: List[dict]) -> str:
     lines = [hdr, "-" * len(hdr)]
     for c in cells:
         for name, m in c["modes"].items():
-            dens = m.get("density") if m["kind"] == "hat" else None
+            dens = m.get("density") if m["kind"] in ("hat", "ddp-hat") else None
             lines.append(f"{c['rate']:>9} {c['np']:>2} {c['model']:<8} {name:<13} {m['median_s'] * 1e3:>10.1f} "
                          f"{fmt(m.get('x_compute'), '.2f'):>9} {fmt(m.get('speedup_vs_dense'), '.2f'):>8} "
                          f"{fmt(m.get('speedup_vs_fp16'), '.2f'):>8} "

@@ -9,9 +9,10 @@
 
 ``Compression`` and ``DistributedOptimizer`` need Horovod and are imported on first use, so the pure
 tensor modules (``horovod_adtopk.selection``, ``wire``, ``models``, ``datasets``) also work where Horovod is
-not installed (e.g. a GPU box used only for kernel benchmarks).
+not installed (e.g. a GPU box used only for kernel benchmarks). ``hat.ddp`` is the PyTorch DDP engine (a
+communication hook, :mod:`horovod_adtopk.ddp`), also without Horovod.
 """
-__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "broadcast_parameters"]
+__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "broadcast_parameters", "ddp"]
 __version__ = "0.1.0"
 
 
@@ -19,6 +20,9 @@ def __getattr__(name):
     if name in ("Compression", "SparseCompressor"):
         from . import compressors
         return getattr(compressors, name)
+    if name == "ddp":  # the PyTorch DDP engine (a communication hook); needs no Horovod
+        import importlib
+        return importlib.import_module(".ddp", __name__)
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer

@@ -17,43 +17,18 @@ then :meth:`Exchange.finish`, which waits and writes the aggregated gradient int
 from __future__ import annotations
 
 import time
-import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
+from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
 from .stats import Stats
-from .wire import COUNT_BYTES, FP16_MAX, pack, payload_bytes, unpack
+from .wire import COUNT_BYTES, pack, payload_bytes
 
 #: dtypes Horovod's collectives cannot reduce on the CPU: carried as float32 and cast back.
 UPCAST = {torch.bfloat16: torch.float32}
-
-
-def aggregate_blocks(dense: torch.Tensor, gathered: torch.Tensor, counts: Sequence[int], codec,
-                     value_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Sum every rank's block of an allgathered sparse payload, times ``scale``, into ``dense`` (1-D,
-    overwritten). The scale (the average's ``1 / size``) is applied to the gathered values, not to the
-    dense result: a pass over the payload instead of two over the gradient.
-
-    Rank by rank, so every rank computes bitwise the same sum: on the CPU ``index_add_`` is sequential in
-    rank order; on CUDA (atomics) one launch per rank, where indices are unique within a rank's block.
-    """
-    dense.zero_()
-    values, index = unpack(gathered, counts, value_dtype, codec.index_dtype)
-    values = values.to(dense.dtype)
-    if scale != 1.0:
-        values = values * scale
-    flat = codec.to_flat(index)
-    if dense.device.type == "cpu":
-        dense.index_add_(0, flat, values)
-    else:
-        offset = 0
-        for c in counts:
-            dense.index_add_(0, flat[offset:offset + c], values[offset:offset + c])
-            offset += c
-    return dense
 
 
 def _store(grad: torch.Tensor, result: torch.Tensor) -> None:
@@ -176,9 +151,9 @@ class SparseSender:
         self.compression, self.memory, self.comm, self.stats = compression, memory, comm, stats
         self.op, self.sum_op, self.op_is_average = op, sum_op, op_is_average
         self.prescale, self.postscale = prescale, postscale
-        self.nonfinite: List[tuple] = []  # (name, 0-d bool tensor: every sent value finite)
+        self.sparsifier = Sparsifier(compression, memory, prescale)  # error feedback around selection
+        self.nonfinite: List[tuple] = self.sparsifier.nonfinite  # (name, 0-d bool: every sent value finite)
         self.profile = None  # a PartialSparsification while it profiles
-        self._warned_overflow = False
 
     def timed(self, name: str, which: int, seconds: float) -> None:
         """Account ``seconds`` of compression (``which=0``) or decompression (1) work on ``name``."""
@@ -196,11 +171,7 @@ class SparseSender:
             return c.make_exchange(self, p, grad, info, step)
         start = time.perf_counter()
         wire_dtype = c.wire_value_dtype(info.dtype)
-        if grad is None:
-            s = c.empty_selection(info, step, p.device)
-            s.wire_values = s.values.to(wire_dtype)
-        else:
-            s = self._select(grad, info, step)
+        s = self.sparsifier.empty(info, step, p.device) if grad is None else self.sparsifier.select(grad, info, step)
         tag = f"hat.sparse.{info.name}"
         if isinstance(s.codec, SharedCodec):
             # Summed in float32 at least: each rank's rounding to the wire dtype is fed back by the memory,
@@ -222,56 +193,7 @@ class SparseSender:
         self.timed(info.name, 0, time.perf_counter() - start)
         return exchange
 
-    def _select(self, grad: torch.Tensor, info: TensorInfo, step: int):
-        """Error feedback around the compressor's selection; sets ``s.wire_values`` (scaled, wire dtype)."""
-        c, memory = self.compression, self.memory
-        wire_dtype = c.wire_value_dtype(info.dtype)
-        exact_wire = wire_dtype == info.dtype and self.prescale == 1.0
-        if memory is not None and memory.momentum is None:
-            # Plain error feedback: the kernels add the gradient into the residual while they read it, and
-            # zero what they send when the wire carries it exactly.
-            a = memory.buffer(info.name, grad)
-            s = c.select(a, info, step, grad=grad, zero_sent=exact_wire)
-        else:
-            a = memory.compensate(info.name, grad) if memory is not None else grad.detach()
-            s = c.select(a, info, step)
-        values = s.values * self.prescale if self.prescale != 1.0 else s.values
-        if wire_dtype == torch.float16 and values.dtype != torch.float16:
-            values = self._clamp_fp16(values, info.name)
-        s.wire_values = values.to(wire_dtype)
-        if memory is not None:
-            if not exact_wire:
-                carried = s.wire_values.to(a.dtype)
-                if self.prescale != 1.0:
-                    carried = carried / self.prescale
-                remainder = torch.nan_to_num(s.values - carried, nan=0.0, posinf=0.0, neginf=0.0)
-                memory.update(info.name, s.flat, remainder)
-            elif memory.momentum is not None:
-                memory.update(info.name, s.flat, torch.zeros_like(s.values))
-            self.nonfinite.append((info.name, s.finite))
-        return s
-
-    def _clamp_fp16(self, values: torch.Tensor, name: str) -> torch.Tensor:
-        """Finite values beyond float16's range travel as +-65504; the rest stays in the memory."""
-        big = values.abs() > FP16_MAX
-        if not bool(torch.logical_and(big, torch.isfinite(values)).any()):
-            return values
-        if not self._warned_overflow:
-            self._warned_overflow = True
-            warnings.warn(f"horovod_adtopk: {name}: values beyond float16's range (65504) were clamped on the "
-                          "wire; the excess stays in the error-feedback memory. Use value_dtype=torch.bfloat16 "
-                          "or float32 for gradients this large.")
-        return torch.where(torch.isfinite(values), values.clamp(-FP16_MAX, FP16_MAX), values)
-
     def scrub_nonfinite(self) -> int:
         """Zero NaN/Inf left in the memory of tensors that sent a non-finite value this round; returns how
         many tensors had one."""
-        if not self.nonfinite:
-            return 0
-        names = [n for n, _ in self.nonfinite]
-        finite = torch.stack([f.to("cpu") for _, f in self.nonfinite]).tolist()
-        self.nonfinite.clear()
-        bad = [n for n, ok in zip(names, finite) if not ok]
-        for n in bad:
-            self.memory.scrub(n)
-        return len(bad)
+        return self.sparsifier.scrub_nonfinite()

@@ -17,6 +17,8 @@ from typing import Dict, Optional, Set
 
 import torch
 
+from .sparsify import dense_contribution
+
 
 class GradientIntake:
     """Per-round gradient intake for the parameters named in ``names`` (``{param: name}``)."""
@@ -45,8 +47,9 @@ class GradientIntake:
     def dense(self, name: str, p, grad: Optional[torch.Tensor], sparse_path: bool) -> torch.Tensor:
         """The gradient for the dense path: with ``g + r`` (the residual released) when ``name`` is on the
         sparse path or still holds memory; momentum correction keeps applying its momentum."""
-        if grad is not None and self.memory is not None and (sparse_path or self.memory.holds(name)):
-            grad.copy_(self.memory.dense(name, grad))
+        released = None if grad is None else dense_contribution(self.memory, name, grad, sparse_path)
+        if released is not None:
+            grad.copy_(released)
         if grad is not None and self.hierarchical is not None:
             self.hierarchical.release(name, grad)
         return p.grad

@@ -15,9 +15,14 @@
 #                    fallback), exact global torch.topk on the flattened |a|, and Triton's global top-k;
 #                    plus a check that Triton's per-fiber magnitudes equal torch.topk's. Table on stdout,
 #                    JSON in $OUT/bench.json.
+#   4. ddp           benchmarks/ddp_check.py: the DDP engine (horovod_adtopk.ddp) end to end on CUDA tensors:
+#                    2 processes on the one GPU over Gloo and 1 process over NCCL, every step's averaged
+#                    gradients checked against the same runs on the CPU; then the step time of the 25M MLP
+#                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
+#                    JSON in $OUT/ddp_check.json.
 #
-# GPU_CHECK_DRY=1 runs only the benchmark stage on CPU tensors under the Triton interpreter with tiny
-# shapes (to check the script itself where there is no GPU).
+# GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
+# and the ddp stage on CPU tensors over Gloo with a small MLP (to check the script where there is no GPU).
 set -u
 
 OUT_DIR="${OUT:-gpu_check_out}"
@@ -94,7 +99,7 @@ import torch  # noqa: E402
 from horovod_adtopk import triton_kernels as tk  # noqa: E402  (no Horovod: the package __init__ is lazy)
 
 OUT_DIR = os.environ.get("OUT_DIR", "gpu_check_out")
-BUDGET_S = 150.0  # stop starting new shapes after this; the stage timeout is a little longer
+BUDGET_S = 125.0  # stop starting new shapes after this; the stage timeout is a little longer
 
 if DRY:
     DEVICE = "cpu"
@@ -224,16 +229,26 @@ if not results:
 PYEOF
 }
 
+ddp_check() {
+    if [ "$DRY" = "1" ]; then
+        "$PY" benchmarks/ddp_check.py --dry --out "$OUT_DIR"
+    else
+        "$PY" benchmarks/ddp_check.py --out "$OUT_DIR"
+    fi
+}
+
 export OUT_DIR PY DRY
-export -f versions run_tests bench
+export -f versions run_tests bench ddp_check
 
 if [ "$DRY" = "1" ]; then
-    echo "GPU_CHECK_DRY=1: benchmark stage only, CPU tensors under the Triton interpreter"
+    echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter) and ddp stage (CPU, Gloo)"
     run_stage bench 300 bench
-else
+    run_stage ddp 180 ddp_check
+else  # stage limits add up to 8 minutes
     run_stage versions 30 versions
-    run_stage tests 240 run_tests
-    run_stage bench 180 bench
+    run_stage tests 200 run_tests
+    run_stage bench 150 bench
+    run_stage ddp 100 ddp_check
 fi
 
 if [ -n "$FAILED" ]; then

@@ -81,12 +81,14 @@ def flat_is_sparse(shape, ratio, elem_bytes: int, value_bytes: int) -> bool:
 
 
 def simulate(grads: List[List[Dict[str, np.ndarray]]], select, sparse: Dict[str, bool], error_feedback: bool = True,
-             wire_dtype=None, average: bool = True) -> List[Dict[str, np.ndarray]]:
+             wire_dtype=None, average: bool = True, present=None) -> List[Dict[str, np.ndarray]]:
     """Expected aggregated gradient per step.
 
     grads[rank][step][name]: each rank's local gradient. ``select(a, name) -> bool mask``. Dense tensors
     are averaged exactly; sparse ones go through error feedback and selection on every rank, then the
     ranks' contributions are summed in rank order (in the gradient dtype) and averaged.
+    ``present[rank][step][name]`` False: that rank had no gradient (unused parameter): it contributes
+    nothing and keeps its memory.
     """
     world = len(grads)
     steps = len(grads[0])
@@ -99,6 +101,8 @@ def simulate(grads: List[List[Dict[str, np.ndarray]]], select, sparse: Dict[str,
             total = np.zeros_like(grads[0][t][name])
             for r in range(world):
                 g = grads[r][t][name]
+                if present is not None and not present[r][t][name]:
+                    continue
                 if not sparse[name]:
                     total = total + g
                     continue

@@ -14,7 +14,8 @@ import horovod.torch as hvd
 
 import horovod_adtopk as hat
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from tests.cases import DTYPES, case_compression as _case_compression, case_params as _case_params  # noqa: F401
+from tests.cases import local_gradient  # noqa: F401
 
 
 def smoke_collectives(args, outdir):
@@ -25,31 +26,6 @@ def smoke_collectives(args, outdir):
     gathered = hvd.allgather(local, name="smoke.gather")
     summed = hvd.allreduce(torch.tensor([float(r + 1), 2.0 * r]), name="smoke.sum", op=hvd.Sum)
     return {"rank": r, "size": w, "gathered": gathered.tolist(), "summed": summed.tolist()}
-
-
-def _case_params(case):
-    dtype = DTYPES[case.get("dtype", "float32")]
-    gen = torch.Generator().manual_seed(1234)
-    params = torch.nn.ParameterDict()
-    for name, shape in case["shapes"].items():
-        params[name.replace(".", "__")] = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
-    return {name: params[name.replace(".", "__")] for name in case["shapes"]}
-
-
-def _case_compression(case):
-    kind = case.get("compressor", "adtopk")
-    if kind in ("none", "fp16"):
-        return hat.Compression.get(kind)
-    kwargs = dict(case.get("kwargs", {}))
-    if "value_dtype" in kwargs and kwargs["value_dtype"] is not None:
-        kwargs["value_dtype"] = DTYPES[kwargs["value_dtype"]]
-    return hat.Compression.get(kind, **kwargs)
-
-
-def local_gradient(case_index: int, rank: int, step: int, name: str, shape, dtype, scale: float = 1.0):
-    seed = int(hashlib.sha256(f"{case_index}/{rank}/{step}/{name}".encode()).hexdigest()[:8], 16)
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
 def reference_cases(args, outdir):

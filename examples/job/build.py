@@ -69,7 +69,8 @@ def setup(args: argparse.Namespace, process_start: float) -> Job:
     tensorboard = open_tensorboard(args, engine)
     train_set, test_set, vocab_size = load_data(args, spec, engine)
 
-    model = make_model(args, vocab_size).to(device)  # identical on every rank (same seed); broadcast anyway
+    # identical on every rank (same seed); broadcast anyway. The DDP engine wraps it in DistributedDataParallel.
+    model = engine.wrap_model(make_model(args, vocab_size).to(device))
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     warmup = steps_per_epoch if args.warmup_steps is None else args.warmup_steps

@@ -79,6 +79,10 @@ class HorovodEngine:
     def local_rank(self) -> int:
         return hvd.local_rank()
 
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the job runs (Horovod needs no wrapper)."""
+        return model
+
     def make_optimizer(self, model: torch.nn.Module, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
         """SGD wrapped in hat.DistributedOptimizer. With momentum correction the sparse-path parameters get
         SGD without momentum and the dense-path ones (biases, small layers) keep ordinary SGD momentum."""
@@ -128,6 +132,9 @@ class HorovodEngine:
         return hvd.broadcast_object(obj, root_rank=0, name=name)
 
 
-def start_engine(args: argparse.Namespace) -> HorovodEngine:
-    """Start the engine the job runs on (Horovod; the place to choose another one)."""
+def start_engine(args: argparse.Namespace):
+    """Start the engine the job runs on: Horovod, or PyTorch DDP with ``--engine ddp`` (:mod:`job.ddp_engine`)."""
+    if getattr(args, "engine", "horovod") == "ddp":
+        from .ddp_engine import DDPEngine
+        return DDPEngine(args)
     return HorovodEngine()

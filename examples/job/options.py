@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="cnn or resnet for fashion-mnist, lstm for shakespeare (default: cnn / lstm)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the installed data)")
+    p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
+                   help="horovod: hat.DistributedOptimizer under horovodrun/mpirun/srun; ddp: PyTorch "
+                        "DistributedDataParallel with the horovod_adtopk.ddp hook under torchrun (--compressor "
+                        "powersgd: PyTorch's own PowerSGD hook)")
     _add_compression_flags(p)
     _add_optimizer_flags(p)
     p.add_argument("--seq-len", type=int, default=64, help="shakespeare window length")

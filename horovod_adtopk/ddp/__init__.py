@@ -1,0 +1,62 @@
+"""The second engine: horovod_adtopk's compressors as a PyTorch DDP communication hook (beside PowerSGD).
+
+Two lines turn a plain ``DistributedDataParallel`` script into ADTopk::
+
+    import horovod_adtopk as hat
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    hat.ddp.register(model, hat.Compression.adtopk(ratio=0.01))      # or, PowerSGD-style:
+    # state = hat.ddp.CompressionState(process_group=None, compression=hat.Compression.adtopk(ratio=0.01))
+    # model.register_comm_hook(state, hat.ddp.hook)
+
+Per bucket (:mod:`.bucket`): every gradient dense or sparse by the Horovod optimizer's rules, sparse ones
+through error feedback and the same selection kernels, all of the bucket's payloads in one ``uint8`` buffer
+and one asynchronous allgather, the dense ones in one allreduce; the future's result is the averaged bucket.
+All state lives in :class:`CompressionState` (:mod:`.state`); the only module that calls
+``torch.distributed`` is :mod:`.communicator`. Imports without Horovod.
+
+Works with Gloo and NCCL, CPU and CUDA tensors, ``no_sync()`` (a round is a communicated iteration),
+``find_unused_parameters`` (an unused parameter contributes nothing and keeps its memory),
+``static_graph`` and ``gradient_as_bucket_view``. Always averages (DDP's semantics). Not supported: our
+PowerSGD (use PyTorch's ``powerSGD_hook``), sparse gradients (``nn.Embedding(sparse=True)``).
+"""
+import torch
+import torch.distributed as dist
+
+from .communicator import PeerLostError, ProcessGroupComm
+from .state import CompressionState
+
+__all__ = ["CompressionState", "PeerLostError", "ProcessGroupComm", "hook", "register"]
+
+
+def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # (no ``from __future__ import annotations`` here: DDP compares the return annotation itself)
+    """The DDP communication hook: ``model.register_comm_hook(state, hat.ddp.hook)``.
+
+    Returns a future whose result is ``bucket.buffer()`` holding the averaged (decompressed) gradients.
+    """
+    from .bucket import BucketExchange, _done
+
+    comm = state.comm()
+    if comm.size() == 1 and not state.exchange_when_alone:  # nothing to communicate (as Horovod with one process)
+        if bucket.is_last():
+            state.end_round()
+        return _done(bucket.buffer())
+    for p in bucket.parameters():
+        state.tensor_info(p)
+    state.check_config()
+    fut = BucketExchange(state, comm, bucket).launch()
+    if bucket.is_last():
+        state.end_round()
+    return fut
+
+
+def register(model: torch.nn.Module, compression=None, process_group=None, warmup_steps: int = 0) -> CompressionState:
+    """Build a :class:`CompressionState` named after ``model``'s parameters and register :func:`hook` on the
+    ``DistributedDataParallel`` ``model``; returns the state (for ``state_dict()`` and ``stats()``)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register() takes the DistributedDataParallel model, got {type(model).__name__}; wrap it "
+                        "first: model = torch.nn.parallel.DistributedDataParallel(model)")
+    state = CompressionState(process_group=process_group, compression=compression, warmup_steps=warmup_steps,
+                             named_parameters=model.module.named_parameters())
+    model.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,204 @@
+"""One DDP bucket's exchange: every gradient of the bucket dense or sparse, at most three collectives.
+
+For a bucket with gradients ``g_1 .. g_n`` (views into ``bucket.buffer()``), in the hook's thread:
+
+1. each gradient takes its path (the compressor's ``choose_path``, as in the Horovod optimizer; dense during
+   the first ``warmup_steps`` rounds). A sparse one goes through error feedback and selection
+   (:class:`horovod_adtopk.sparsify.Sparsifier`: the same kernels) and is packed into its ``uint8`` block
+   (:func:`horovod_adtopk.wire.pack`);
+2. the dense gradients are concatenated (and compressed, for a dense compressor such as fp16) and
+   allreduced together: one asynchronous ``all_reduce``; Random-k's values (positions every rank knows)
+   are summed by one more;
+3. the sparse blocks are concatenated into one ``uint8`` buffer and exchanged with one asynchronous
+   ``all_gather_single`` (``all_gather_into_tensor``). Fixed-size rules (ADTopk, Top-k, ADTopk-I) need
+   nothing else. Variable-size rules (thresholds, DGC, ADTopk-T) first exchange their per-tensor counts
+   (one small blocking gather of ``8 * n`` bytes), then pad every rank's buffer to the largest rank's;
+4. the returned future's callback unpacks, scatter-adds rank by rank
+   (:func:`horovod_adtopk.sparsify.aggregate_blocks`: bitwise the same on every rank), averages, and writes
+   everything back into the bucket buffer, which is the future's result.
+
+The callback does local work only; no collective is ever issued from it.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Tuple
+
+import torch
+
+from ..compressors import SharedCodec, TensorInfo
+from ..sparsify import aggregate_blocks, dense_contribution
+from ..wire import COUNT_BYTES, block_bytes, pack, payload_bytes
+from .communicator import peer_lost
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _flat_out(view: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor to aggregate into: the view itself when contiguous, else a scratch tensor."""
+    return view.view(-1) if view.is_contiguous() else torch.empty(view.numel(), dtype=view.dtype, device=view.device)
+
+
+def _store(view: torch.Tensor, flat: torch.Tensor) -> None:
+    if flat.data_ptr() != view.data_ptr():
+        view.copy_(flat.view(view.shape))
+
+
+class BucketExchange:
+    """Built and launched by the hook for one bucket; :meth:`launch` returns DDP's future."""
+
+    def __init__(self, state, comm, bucket) -> None:
+        self.state, self.comm, self.bucket = state, comm, bucket
+        self.world = comm.size()
+        self.step = state.round
+        self.dense: List[Tuple[torch.Tensor, str]] = []  # (view, name)
+        self.shared: List[Tuple[torch.Tensor, TensorInfo, object]] = []  # (view, info, selection)
+        self.sparse: List[Tuple[torch.Tensor, TensorInfo, object]] = []  # (view, info, selection)
+        self.futures: List[torch.futures.Future] = []
+
+    def launch(self) -> torch.futures.Future:
+        buffer = self.bucket.buffer()
+        if buffer.is_sparse:
+            raise TypeError("horovod_adtopk.ddp: this bucket holds a sparse gradient (e.g. nn.Embedding(sparse=True)); "
+                            "use a dense embedding, or DDP without this hook for that model")
+        start = time.perf_counter()
+        for p, view in zip(self.bucket.parameters(), self.bucket.gradients()):
+            self._take(p, view)
+        self._launch_dense()
+        self._launch_shared()
+        self._launch_sparse()
+        self.state.stats_.compress_seconds += time.perf_counter() - start
+        if not self.futures:
+            return _done(buffer)
+        return torch.futures.collect_all(self.futures).then(self._finish)
+
+    # --- in the hook -----------------------------------------------------------------------------------------
+    def _take(self, p, view: torch.Tensor) -> None:
+        """Route one gradient. ``p.grad is None`` means this rank did not use ``p`` in this forward pass (DDP
+        with ``find_unused_parameters``): it contributes nothing and keeps its memory."""
+        state = self.state
+        name, info = state.tensor_info(p)
+        has_grad = p.grad is not None
+        if state.sends_sparse(name):
+            sparsifier = state.sparsifier
+            s = sparsifier.select(view, info, self.step) if has_grad else sparsifier.empty(info, self.step, view.device)
+            (self.shared if isinstance(s.codec, SharedCodec) else self.sparse).append((view, info, s))
+            return
+        if not has_grad:
+            view.zero_()
+        else:
+            released = dense_contribution(state.memory, name, view, state.on_sparse_path(name))
+            if released is not None:
+                view.copy_(released)
+        self.dense.append((view, name))
+
+    def _launch_dense(self) -> None:
+        if not self.dense:
+            self.dense_wire = None
+            return
+        flat = torch.cat([v.reshape(-1) for v, _ in self.dense])
+        compression = self.state.dense_compression
+        self.dense_wire, self.dense_ctx = compression.compress(flat) if compression is not None else (flat, None)
+        for v, name in self.dense:
+            self.state.stats_.record(name, v.numel(), v.numel(), v.numel() * self.dense_wire.element_size())
+        self.futures.append(self.comm.allreduce_async(self.dense_wire))
+
+    def _launch_shared(self) -> None:
+        if not self.shared:
+            return
+        # Summed in float32 at least (as the Horovod engine does): the memory keeps each rank's wire rounding.
+        values = [s.wire_values.to(torch.promote_types(s.wire_values.dtype, torch.float32)) for _, _, s in self.shared]
+        self.shared_wire = torch.cat(values)
+        for (_, info, _), v in zip(self.shared, values):
+            self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v))
+        self.futures.append(self.comm.allreduce_async(self.shared_wire))
+
+    def _launch_sparse(self) -> None:
+        if not self.sparse:
+            return
+        blocks = [pack(s.wire_values, s.wire_index, self._wire_dtype(info), s.codec.index_dtype)
+                  for _, info, s in self.sparse]
+        local = torch.cat(blocks)
+        self.variable = any(s.codec.count is None for _, _, s in self.sparse)
+        if self.variable:  # counts first (blocking, tiny), then every rank's buffer padded to the largest
+            counts = torch.tensor([s.values.numel() for _, _, s in self.sparse], dtype=torch.int64,
+                                  device=self.comm.control_device(local))
+            self.counts = self.comm.gather(counts).view(self.world, -1).tolist()
+            self.row_bytes = max(self._rank_bytes(r) for r in range(self.world))
+            local = torch.cat([local, torch.zeros(self.row_bytes - local.numel(), dtype=torch.uint8,
+                                                  device=local.device)])
+        else:
+            self.counts = [[s.codec.count for _, _, s in self.sparse]] * self.world
+            self.row_bytes = local.numel()
+        for (view, info, s), block in zip(self.sparse, blocks):
+            sent = payload_bytes(block) + (COUNT_BYTES if self.variable else 0)
+            self.state.stats_.record(info.name, info.numel, s.values.numel(), sent)
+        self.gathered = torch.empty(self.world * self.row_bytes, dtype=torch.uint8, device=local.device)
+        self.futures.append(self.comm.gather_async(self.gathered, local))
+
+    def _wire_dtype(self, info: TensorInfo) -> torch.dtype:
+        return self.state.compression.wire_value_dtype(info.dtype)
+
+    def _block_bytes(self, i: int, count: int) -> int:
+        _, info, s = self.sparse[i]
+        return block_bytes(count, self._wire_dtype(info), s.codec.index_dtype)
+
+    def _rank_bytes(self, rank: int) -> int:
+        return sum(self._block_bytes(i, c) for i, c in enumerate(self.counts[rank]))
+
+    # --- in the future's callback ------------------------------------------------------------------------------
+    def _finish(self, fut: torch.futures.Future) -> torch.Tensor:
+        try:
+            for f in fut.value():
+                f.value()
+        except RuntimeError as exc:
+            raise peer_lost(exc) from exc
+        start = time.perf_counter()
+        self._finish_dense()
+        self._finish_shared()
+        self._finish_sparse()
+        self.state.stats_.decompress_seconds += time.perf_counter() - start
+        return self.bucket.buffer()
+
+    def _finish_dense(self) -> None:
+        if self.dense_wire is None:
+            return
+        reduced = self.dense_wire.div_(self.world)
+        compression = self.state.dense_compression
+        flat = compression.decompress(reduced, self.dense_ctx) if compression is not None else reduced
+        offset = 0
+        for view, _ in self.dense:
+            n = view.numel()
+            view.copy_(flat[offset:offset + n].view(view.shape))
+            offset += n
+
+    def _finish_shared(self) -> None:
+        if not self.shared:
+            return
+        summed = self.shared_wire.div_(self.world)
+        offset = 0
+        for view, _, s in self.shared:
+            n = s.flat.numel()
+            out = _flat_out(view)
+            out.zero_()
+            out[s.flat] = summed[offset:offset + n].to(view.dtype)
+            _store(view, out)
+            offset += n
+
+    def _finish_sparse(self) -> None:
+        if not self.sparse:
+            return
+        rows = self.gathered.view(self.world, self.row_bytes)
+        offsets = [0] * self.world
+        for i, (view, info, s) in enumerate(self.sparse):
+            counts = [self.counts[r][i] for r in range(self.world)]
+            sizes = [self._block_bytes(i, c) for c in counts]
+            blocks = torch.cat([rows[r, offsets[r]:offsets[r] + sizes[r]] for r in range(self.world)])
+            offsets = [o + b for o, b in zip(offsets, sizes)]
+            out = _flat_out(view)
+            aggregate_blocks(out, blocks, counts, s.codec, self._wire_dtype(info), 1.0 / self.world)
+            _store(view, out)
