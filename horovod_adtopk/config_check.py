@@ -21,7 +21,7 @@ SETTINGS = ("compression", "op", "backward_passes_per_step", "gradient_predivide
 
 def describe(compression: dict, op, backward_passes_per_step: int, gradient_predivide_factor: float,
              groups: Optional[dict], names: dict, sparse_as_dense: bool, partial, warmup_steps: int,
-             process_set_size: Optional[int], infos: dict) -> dict:
+             process_set_size: Optional[int], infos: dict, hierarchical: Optional[dict] = None) -> dict:
     """The optimizer's description: every setting that decides which collectives run (``groups``: the
     explicit groups ``{param: group}`` or None; ``names``: ``{param: name}``; ``infos``: name -> TensorInfo)."""
     return {"compression": compression, "op": str(op), "backward_passes_per_step": backward_passes_per_step,
@@ -30,7 +30,8 @@ def describe(compression: dict, op, backward_passes_per_step: int, gradient_pred
             "sparse_as_dense": sparse_as_dense, "partial_sparsification": partial is not None,
             "profile_rounds": partial.profile_rounds if partial is not None else None,
             "warmup_steps": warmup_steps, "process_set": process_set_size,
-            "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(infos.items())}}
+            "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(infos.items())},
+            "hierarchical": hierarchical}
 
 
 def digest(description: dict) -> int:

@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, hierarchical as hier, state
+from . import config_check, hierarchical as hier, paths, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -68,31 +68,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # In-flight exchanges per parameter (or group); ``None``: gradient accumulating locally this round.
         self._handles: Dict[object, Optional[Exchange]] = {}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
-        self._synchronized = False
-        self._should_synchronize = True
-        self._config_checked = False
+        self._synchronized, self._should_synchronize, self._config_checked = False, True, False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
         self._join = JoinGate(self._comm)  # has a member called hvd.join()? asked once per round
         self._intake = GradientIntake(self._parameter_names, sparse_as_dense, self._memory)
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
                        for p, name in self._parameter_names.items() if p.requires_grad and _floating(p, name)}
-        self._sparse_path: Dict[str, bool] = {}
+        self._sparse_path: Dict[str, bool] = {}  # per name: on the sparse path (horovod_adtopk.paths)
         self._plan_paths()
-        self._groups = _make_groups(groups, self._parameter_names, self._infos, self._sparse_path)
-        self._group_ready = {g: 0 for g in set(self._groups.values())}
         self._groups_given = groups is not None
-        self._description = self._describe()
+        self._set_groups(groups)
         if self._hierarchical_setting is not False and self._comm.included():
             self._start_hierarchical(groups)
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
-        self._requires_update = set()
-        if self._communicating:
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self._requires_update.add(p)
-                        p.register_post_accumulate_grad_hook(self._make_hook(p))
+        self._requires_update = ({p for group in self.param_groups for p in group["params"] if p.requires_grad}
+                                 if self._communicating else set())
+        for p in self._requires_update:
+            p.register_post_accumulate_grad_hook(self._make_hook(p))
 
     # --- set-up ---------------------------------------------------------------------------------------------
     def _world(self) -> int:
@@ -102,43 +95,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Agree on the configuration first (a rank without ``hierarchical`` would not join the layout's
         collectives), then build the process sets and re-plan with the hierarchical exchange kind."""
         config_check.check(self._comm, self._description)
-        self._hier = hier.Hierarchical(self._hierarchical_setting, self._compression, self._comm, self.op, hvd.Sum,
-                                       self.op == hvd.Average, *self._scales(),
-                                       elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
-        self._intake.hierarchical = self._hier
+        self._hier = self._intake.hierarchical = hier.Hierarchical(
+            self._hierarchical_setting, self._compression, self._comm, self.op, hvd.Sum, self.op == hvd.Average,
+            *self._scales(), elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
         self._plan_paths()
+        self._set_groups(groups)
+
+    def _set_groups(self, groups) -> None:
+        """Explicit groups of the dense-path tensors (they depend on the paths), then the description."""
         self._groups = _make_groups(groups, self._parameter_names, self._infos, self._sparse_path)
         self._group_ready = {g: 0 for g in set(self._groups.values())}
         self._description = self._describe()
 
     def _plan_paths(self) -> None:
-        """Dense, sparse or hierarchical for every parameter, for the current world size and partial decision."""
-        if self._hier is not None:
-            self._hier.replan()
-        for name, info in self._infos.items():
-            path = None
-            if not self._sparse:
-                sparse, reason = False, "dense compressor"
-            elif self._partial is not None and not self._partial.keeps_sparse(name):
-                sparse, reason = False, PartialSparsification.reason(self._partial.report["tensors"][name])
-            else:
-                sparse, reason = self._compression.choose_path(info, self._world())
-                if self._hier is not None and self._hier.decide(info, sparse, reason)[0]:
-                    sparse, reason, path = True, self._hier.reasons[name], "hierarchical"
-            self._sparse_path[name] = sparse
-            self._stats.set_path(name, info.numel, sparse, reason, path)
-        if self._sender is not None:
-            self._sender.profile = self._partial if self._partial is not None and self._partial.profiling else None
+        paths.plan(self._sparse_path, self._infos, self._compression if self._sparse else None, self._partial,
+                   self._hier, self._world(), self._stats, self._sender)
 
     def _describe(self) -> dict:
-        description = config_check.describe(
+        return config_check.describe(
             _describe_compression(self._compression), self.op, self.backward_passes_per_step,
             self.gradient_predivide_factor, self._groups if self._groups_given else None, self._parameter_names,
             self.sparse_as_dense, self._partial, self.warmup_steps,
-            self._comm.size() if self._comm.included() else None, self._infos)
-        description["hierarchical"] = (self._hier.describe() if self._hier is not None
-                                      else {"setting": str(self._hierarchical_setting)})
-        return description
+            self._comm.size() if self._comm.included() else None, self._infos,
+            self._hier.describe() if self._hier is not None else {"setting": str(self._hierarchical_setting)})
 
     def _make_hook(self, p):
         def hook(*_):
@@ -166,9 +145,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # --- submitting -----------------------------------------------------------------------------------------
     def _scales(self):
         """Horovod's pre/post-scaling: ``(1/f, f)`` for Average with predivide factor ``f``."""
-        if self.op == hvd.Average:
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
+        f = self.gradient_predivide_factor
+        return (1.0 / f, f) if self.op == hvd.Average else (1.0, 1.0)
 
     def _submit(self, p, wait: bool = True) -> Optional[Exchange]:
         """The exchange of ``p`` for this round. From a hook (``wait=False``) a sparse tensor may get None:
@@ -242,10 +220,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._end_round()
 
     def _end_round(self) -> None:
-        self._reset_delays()
+        self._reset_round()
         self._group_ready = dict.fromkeys(self._group_ready, 0)
-        self._handles.clear()
-        self._join.reset()
         if self._sender is not None and self._sender.scrub_nonfinite() + (self._hier.end_round() if self._hier else 0):
             self._stats.nonfinite_steps += 1
         self._round += 1
@@ -284,11 +260,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
-        self._reset_delays()
+        self._allreduce_delay = dict.fromkeys(self._allreduce_delay, passes)
 
-    def _reset_delays(self) -> None:
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+    def _reset_round(self) -> None:
+        """No exchange in flight, no join query, every delay counter full."""
+        self._handles = {}
+        self._join.reset()
+        self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
 
     # --- state --------------------------------------------------------------------------------------------------
     def _wrap_state(self, ranks: dict) -> dict:
@@ -298,9 +276,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's compression state (key ``"horovod_adtopk"``)."""
         sd = super(self.__class__, self).state_dict()
-        rank = self._comm.rank() if self._comm.included() else 0
-        sd[STATE_KEY] = self._wrap_state({rank: state.local_entry(self._memory, self._compression, self._sparse,
-                                                                  self._hier)})
+        sd[STATE_KEY] = self._wrap_state({self._comm.rank() if self._comm.included() else 0: state.local_entry(
+            self._memory, self._compression, self._sparse, self._hier)})
         return sd
 
     def gather_state_dict(self):
@@ -314,16 +291,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
-        self._join.reset()
         ours = state_dict.pop(STATE_KEY, None)
         entry = None if ours is None else state.unwrap(  # validated before anything changes
             ours, _describe_compression(self._compression), self._comm.rank() if self._comm.included() else 0,
             self._world(), self._memory, {n: i.shape for n, i in self._infos.items()})
         super(self.__class__, self).load_state_dict(state_dict)
-        self._handles = {}
-        self._synchronized = False
-        self._should_synchronize = True
-        self._reset_delays()
+        self._synchronized, self._should_synchronize = False, True
+        self._reset_round()
         if ours is None:
             return
         self._round = int(ours["round"])
@@ -334,11 +308,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.reset_compression_state()
             return
         devices = {n: p.device for p, n in self._parameter_names.items()}
-        if self._memory is not None:
-            self._memory.load_state_dict(entry["memory"], devices)
+        state.restore(entry, self._memory, self._compression if self._sparse else None, devices)
         hier.load_state(self._hier, entry.get("hierarchical"), devices)
-        if self._sparse:
-            self._compression.load_state_dict(entry["compressor"])
 
     def reset_compression_state(self) -> None:
         """Forget every rank-private memory (residuals, velocities, adaptive thresholds) and re-plan for the
@@ -353,9 +324,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sparse:
             self._compression.reset_state()
             self._sender.nonfinite.clear()
-        self._handles = {}
-        self._join.reset()
-        self._reset_delays()
+        self._reset_round()
         self._config_checked = False
         self._plan_paths()
         self._description = self._describe()  # the process set's size may have changed

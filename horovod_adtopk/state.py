@@ -60,3 +60,12 @@ def unwrap(ours: dict, description: dict, rank: int, size: int, memory=None,
     if memory is not None:  # a dry run on a scratch memory: refuses memory that does not fit the model
         ErrorFeedback(memory.momentum).load_state_dict(entry["memory"], shapes=shapes)
     return entry
+
+
+def restore(entry: dict, memory, compression, devices: Optional[dict] = None) -> None:
+    """Load this rank's ``entry`` (from :func:`unwrap`) into its error-feedback ``memory`` (or None) and its
+    sparse ``compression`` (or None), tensors onto ``devices`` (name -> device)."""
+    if memory is not None:
+        memory.load_state_dict(entry["memory"], devices)
+    if compression is not None:
+        compression.load_state_dict(entry["compressor"])

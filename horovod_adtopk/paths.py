@@ -1,0 +1,38 @@
+"""Which way each parameter's gradient travels: dense (allreduce), sparse (flat allgather) or hierarchical.
+
+Per tensor, in order: a dense compressor sends everything dense; partial sparsification
+(:mod:`horovod_adtopk.partial`) may have switched the tensor dense; otherwise the compressor's
+``choose_path`` decides (shape, ``min_numel`` and the hybrid rule); a sparse tensor that the hierarchical
+exchange kind (:mod:`horovod_adtopk.hierarchical`) takes travels that way. The reasons go to
+``opt.stats()["tensors"]``. Warm-up rounds and joined members are per-round exceptions decided at submit time.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from .partial import PartialSparsification
+
+
+def plan(sparse_path: Dict[str, bool], infos: dict, compression, partial, hierarchical, world_size: int, stats,
+         sender) -> None:
+    """Fill ``sparse_path`` (name -> on the sparse path?, updated in place) for every tensor of ``infos``.
+
+    ``compression`` is the sparse compressor or None (a dense one); ``partial`` a PartialSparsification or
+    None; ``hierarchical`` a :class:`~horovod_adtopk.hierarchical.Hierarchical` or None; ``sender`` the
+    SparseSender (its profiling hook follows the partial sparsification's state) or None."""
+    if hierarchical is not None:
+        hierarchical.replan()
+    for name, info in infos.items():
+        path = None
+        if compression is None:
+            sparse, reason = False, "dense compressor"
+        elif partial is not None and not partial.keeps_sparse(name):
+            sparse, reason = False, PartialSparsification.reason(partial.report["tensors"][name])
+        else:
+            sparse, reason = compression.choose_path(info, world_size)
+            if hierarchical is not None and hierarchical.decide(info, sparse, reason)[0]:
+                sparse, reason, path = True, hierarchical.reasons[name], "hierarchical"
+        sparse_path[name] = sparse
+        stats.set_path(name, info.numel, sparse, reason, path)
+    if sender is not None:
+        sender.profile = partial if partial is not None and partial.profiling else None
