@@ -236,6 +236,63 @@ def step_cost(sp: Split, world: int, link: Link) -> Dict[str, Any]:
             "payload_bytes_per_rank": sp.payload_bytes, "dense_bytes_allreduced": sp.dense_bytes}
 
 
+# --- two levels: hosts of ranks (the hierarchical exchange) -------------------------------------------------------
+
+
+@dataclass
+class TwoLevel:
+    """``hosts`` x ``local`` ranks; ``intra``: a host's internal link, ``inter``: its one link to the others
+    (shared by its ranks). Rings are ordered by host, so one ring edge leaves each host."""
+
+    hosts: int
+    local: int
+    intra: Link
+    inter: Link
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.local
+
+    def ring_link(self) -> Link:
+        """The link a ring over every rank waits for: the inter-host one as soon as there are two hosts."""
+        return self.inter if self.hosts > 1 else self.intra
+
+
+def two_level_step(tensors: List[Tensor], compressor: Any, mode: str, topo: TwoLevel) -> Dict[str, Any]:
+    """Predicted communication seconds of one step and bytes leaving each host (one direction), for ``mode``:
+    "dense" (fp32 allreduce), "fp16", "flat" (the optimizer's hybrid rule at W: sparse tensors allgathered over
+    all ranks, the rest allreduced) or "hierarchical" (tensors the hierarchical rule takes: reduce-scatter and
+    allgather inside the host over ``intra``, then ``local`` cross-host allgathers of one block's payload
+    each; the rest as "flat")."""
+    from horovod_adtopk import hierarchical as hier
+    world, ring = topo.world, topo.ring_link()
+    scale = 0.5 if mode == "fp16" else 1.0
+    sparse = ([False] * len(tensors) if mode in ("dense", "fp16")
+              else hybrid_mask(compressor, tensors, world))
+    hier_mask = [False] * len(tensors)
+    if mode == "hierarchical" and topo.hosts > 1 and topo.local > 1:
+        hier_mask = [compressor.choose_path(t.info, topo.hosts)[0] for t in tensors]
+        sparse = [s and not h for s, h in zip(sparse, hier_mask)]
+    payloads = [compressor.nominal_bytes(t.info)[0] if compressor is not None and len(t.shape) >= 2 else 0
+                for t in tensors]
+    rest = [i for i, h in enumerate(hier_mask) if not h]  # the tensors of the flat exchange
+    flat_part = split([tensors[i] for i in rest], [sparse[i] for i in rest], [payloads[i] for i in rest], scale)
+    cost = step_cost(flat_part, world, ring)
+    crossing = 2.0 * (world - 1) / world * flat_part.dense_bytes + (world - 1) * flat_part.payload_bytes
+    if topo.hosts <= 1:
+        crossing = 0.0
+    links = hier.LinkModel(topo.intra.alpha, topo.intra.beta, topo.inter.alpha, topo.inter.beta)
+    hier_s, hier_cross = 0.0, 0.0
+    for t, h, p in zip(tensors, hier_mask, payloads):
+        if h:
+            hier_s += hier.hierarchical_seconds(t.dense_bytes, p, topo.hosts, topo.local, links)
+            hier_cross += (topo.hosts - 1) * p
+    cost["seconds"] += hier_s
+    cost.update({"hierarchical_s": hier_s, "hierarchical_tensors": sum(hier_mask),
+                 "inter_host_bytes_per_host": crossing + hier_cross})
+    return cost
+
+
 def crossover(sparse: Split, dense: Split, link: Link, max_scan: int) -> Optional[int]:
     """First integer W >= 2 where the sparse step costs >= the dense step (None: not up to ``max_scan``)."""
     for w in range(2, max_scan + 1):

@@ -8,8 +8,9 @@ collectives by name, and the optimizer submits leftovers in sorted-name order).
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import torch
 import horovod.torch as hvd
@@ -50,6 +51,14 @@ class Communicator:
     def allgather_async(self, tensor: torch.Tensor, name: str):
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
+    def reducescatter_async(self, tensor: torch.Tensor, name: str):
+        """Sum ``tensor`` over the set; member ``i`` receives the ``i``-th slice of dim 0 (Horovod splits dim 0
+        as evenly as it can, the first ``n % size`` members one row more)."""
+        return hvd.reducescatter_async(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
+
+    def is_global(self) -> bool:
+        return self.process_set.process_set_id == 0
+
     def sparse_allreduce_async(self, tensor: torch.Tensor, name: str, op):
         """Horovod's aggregation of a sparse (COO) gradient: values and indices allgathered, averaged for
         ``hvd.Average``; :meth:`wait` returns the aggregated sparse tensor."""
@@ -88,3 +97,42 @@ class Communicator:
             out.append(pickle.loads(gathered[offset:offset + n]))
             offset += n
         return out
+
+
+def host_layout() -> Tuple[int, int, int, int]:
+    """This rank's place among the hosts: ``(cross_rank, local_rank, local_size, cross_size)`` (Horovod's
+    numbering: ``cross_rank`` is the host's index when every host runs the same number of ranks)."""
+    return hvd.cross_rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_size()
+
+
+def dynamic_process_sets() -> bool:
+    """Whether process sets may be added after ``hvd.init()`` (``HOROVOD_DYNAMIC_PROCESS_SETS=1``, which
+    ``hvd.init(process_sets="dynamic")`` also sets)."""
+    return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower() in ("1", "true", "yes")
+
+
+def process_sets(rank_lists: Sequence[Sequence[int]]) -> List[Communicator]:
+    """Communicators over the process sets with exactly these ranks, in order. Collective: every rank calls
+    it with the same lists. A set that already exists (passed to ``hvd.init(process_sets=...)`` or made by an
+    earlier optimizer) is reused; a missing one is added, which needs dynamic process sets."""
+    from horovod.torch.mpi_ops import _basics
+    existing = {tuple(r): i for i, r in _basics._get_process_set_ids_and_ranks().items()}
+    missing = [sorted(r) for r in rank_lists if tuple(sorted(r)) not in existing]
+    if missing and not dynamic_process_sets():
+        raise RuntimeError(
+            "horovod_adtopk: hierarchical=True needs Horovod process sets for the ranks of each host and for the "
+            f"ranks with the same local rank on every host ({missing} do not exist). Set "
+            "HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment of every rank (or call "
+            "hvd.init(process_sets=\"dynamic\")), or pass these sets to hvd.init(process_sets=[hvd.ProcessSet(ranks), "
+            "...]); or use hierarchical=False.")
+    out = []
+    for ranks in rank_lists:
+        key = tuple(sorted(ranks))
+        if key in existing:
+            ps = hvd.ProcessSet(list(key))
+            ps.process_set_id = existing[key]
+        else:
+            ps = hvd.add_process_set(list(key))
+            existing[key] = ps.process_set_id
+        out.append(Communicator(ps))
+    return out

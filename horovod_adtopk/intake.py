@@ -26,6 +26,7 @@ class GradientIntake:
     def __init__(self, names: Dict[torch.Tensor, str], sparse_as_dense: bool, memory) -> None:
         self.names, self.sparse_as_dense, self.memory = names, sparse_as_dense, memory
         self.densified: Set[torch.Tensor] = set()  # sparse gradients travelling dense this round
+        self.hierarchical = None  # the optimizer's hierarchical exchange, whose block memory a dense round releases
 
     def gathers_sparse(self, p) -> bool:
         """Whether ``p``'s gradient is sparse and travels as Horovod's sparse allreduce (an allgather)."""
@@ -49,6 +50,8 @@ class GradientIntake:
         released = None if grad is None else dense_contribution(self.memory, name, grad, sparse_path)
         if released is not None:
             grad.copy_(released)
+        if grad is not None and self.hierarchical is not None:
+            self.hierarchical.release(name, grad)
         return p.grad
 
     def restore(self) -> None:

@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, state
+from . import config_check, hierarchical as hier, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -46,7 +46,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-                 profile_rounds, warmup_steps):
+                 profile_rounds, warmup_steps, hierarchical=False):
         super(self.__class__, self).__init__(params)
         named = _check_named_parameters(named_parameters, self.param_groups)
         self._compression = compression
@@ -63,6 +63,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sender = (SparseSender(compression, self._memory, self._comm, self._stats, op, hvd.Sum, op == hvd.Average,
                                      *self._scales()) if self._sparse else None)
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
+        self._hierarchical_setting = hierarchical if self._sparse else False
+        self._hier: Optional[hier.Hierarchical] = None  # the hierarchical exchange kind (dense in a host)
         # In-flight exchanges per parameter (or group); ``None``: gradient accumulating locally this round.
         self._handles: Dict[object, Optional[Exchange]] = {}
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
@@ -80,6 +82,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_ready = {g: 0 for g in set(self._groups.values())}
         self._groups_given = groups is not None
         self._description = self._describe()
+        if self._hierarchical_setting is not False and self._comm.included():
+            self._start_hierarchical(groups)
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
         self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = set()
@@ -94,26 +98,47 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _world(self) -> int:
         return self._comm.size() if self._comm.included() else 1
 
+    def _start_hierarchical(self, groups) -> None:
+        """Agree on the configuration first (a rank without ``hierarchical`` would not join the layout's
+        collectives), then build the process sets and re-plan with the hierarchical exchange kind."""
+        config_check.check(self._comm, self._description)
+        self._hier = hier.Hierarchical(self._hierarchical_setting, self._compression, self._comm, self.op, hvd.Sum,
+                                       self.op == hvd.Average, *self._scales(),
+                                       elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
+        self._intake.hierarchical = self._hier
+        self._plan_paths()
+        self._groups = _make_groups(groups, self._parameter_names, self._infos, self._sparse_path)
+        self._group_ready = {g: 0 for g in set(self._groups.values())}
+        self._description = self._describe()
+
     def _plan_paths(self) -> None:
-        """Dense or sparse for every parameter, for the current world size and partial decision."""
+        """Dense, sparse or hierarchical for every parameter, for the current world size and partial decision."""
+        if self._hier is not None:
+            self._hier.replan()
         for name, info in self._infos.items():
+            path = None
             if not self._sparse:
                 sparse, reason = False, "dense compressor"
             elif self._partial is not None and not self._partial.keeps_sparse(name):
                 sparse, reason = False, PartialSparsification.reason(self._partial.report["tensors"][name])
             else:
                 sparse, reason = self._compression.choose_path(info, self._world())
+                if self._hier is not None and self._hier.decide(info, sparse, reason)[0]:
+                    sparse, reason, path = True, self._hier.reasons[name], "hierarchical"
             self._sparse_path[name] = sparse
-            self._stats.set_path(name, info.numel, sparse, reason)
+            self._stats.set_path(name, info.numel, sparse, reason, path)
         if self._sender is not None:
             self._sender.profile = self._partial if self._partial is not None and self._partial.profiling else None
 
     def _describe(self) -> dict:
-        return config_check.describe(
+        description = config_check.describe(
             _describe_compression(self._compression), self.op, self.backward_passes_per_step,
             self.gradient_predivide_factor, self._groups if self._groups_given else None, self._parameter_names,
             self.sparse_as_dense, self._partial, self.warmup_steps,
             self._comm.size() if self._comm.included() else None, self._infos)
+        description["hierarchical"] = (self._hier.describe() if self._hier is not None
+                                      else {"setting": str(self._hierarchical_setting)})
+        return description
 
     def _make_hook(self, p):
         def hook(*_):
@@ -163,6 +188,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._stats.record(name, p.numel(), exchange.elements, exchange.bytes)
             return exchange
         grad = self._intake.take(p)
+        if sparse and self._hier is not None and self._hier.owns(name):
+            return self._hier.send(p, grad, self._infos[name], self._round)
         if sparse:
             return self._sender.send(p, grad, self._infos[name], self._round)
         grad = self._intake.dense(name, p, grad, self._sparse_path.get(name, False))
@@ -219,7 +246,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._group_ready = dict.fromkeys(self._group_ready, 0)
         self._handles.clear()
         self._join.reset()
-        if self._sender is not None and self._sender.scrub_nonfinite():
+        if self._sender is not None and self._sender.scrub_nonfinite() + (self._hier.end_round() if self._hier else 0):
             self._stats.nonfinite_steps += 1
         self._round += 1
         self._stats.steps += 1
@@ -272,14 +299,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state plus this rank's compression state (key ``"horovod_adtopk"``)."""
         sd = super(self.__class__, self).state_dict()
         rank = self._comm.rank() if self._comm.included() else 0
-        sd[STATE_KEY] = self._wrap_state({rank: state.local_entry(self._memory, self._compression, self._sparse)})
+        sd[STATE_KEY] = self._wrap_state({rank: state.local_entry(self._memory, self._compression, self._sparse,
+                                                                  self._hier)})
         return sd
 
     def gather_state_dict(self):
         """Collective: like ``state_dict()`` but with every member rank's compression state, so that one
         file written by rank 0 restores every rank exactly. Call it on every rank."""
         sd = super(self.__class__, self).state_dict()
-        mine = state.local_entry(self._memory, self._compression, self._sparse)
+        mine = state.local_entry(self._memory, self._compression, self._sparse, self._hier)
         entries = self._comm.allgather_object(mine, "hat.gather_state") if self._world() > 1 else [mine]
         sd[STATE_KEY] = self._wrap_state(dict(enumerate(entries)))
         return sd
@@ -305,8 +333,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if entry is None:
             self.reset_compression_state()
             return
+        devices = {n: p.device for p, n in self._parameter_names.items()}
         if self._memory is not None:
-            self._memory.load_state_dict(entry["memory"], {n: p.device for p, n in self._parameter_names.items()})
+            self._memory.load_state_dict(entry["memory"], devices)
+        hier.load_state(self._hier, entry.get("hierarchical"), devices)
         if self._sparse:
             self._compression.load_state_dict(entry["compressor"])
 
@@ -318,6 +348,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         world size, and the configuration check must run again with the new members."""
         if self._memory is not None:
             self._memory.reset()
+        if self._hier is not None:
+            self._hier.reset()
         if self._sparse:
             self._compression.reset_state()
             self._sender.nonfinite.clear()
@@ -335,6 +367,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                    kernels=_kernel_backends())
         if self._partial is not None:
             out["partial_sparsification"] = self._partial.report
+        if self._hier is not None:
+            out["hierarchical"] = self._hier.report()
         return out
 
 
@@ -417,7 +451,9 @@ def _make_groups(groups, names: dict, infos: dict, sparse_path: dict) -> Dict[to
 
 
 def _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification) -> None:
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical=False) -> None:
+    if not (hierarchical is True or hierarchical is False or hierarchical == "auto"):
+        raise ValueError(f"hierarchical must be False, True or \"auto\", got {hierarchical!r}")
     if op == hvd.Adasum:
         raise ValueError("op=hvd.Adasum is not supported by horovod_adtopk.DistributedOptimizer (Adasum combines "
                          "dense gradients pairwise); use op=hvd.Average or hvd.Sum, or hvd.DistributedOptimizer")
@@ -446,7 +482,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=hvd.global_process_set, *, partial_sparsification: bool = False,
-                         profile_rounds: int = 5, warmup_steps: int = 0):
+                         profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     The arguments of ``hvd.DistributedOptimizer``, in Horovod's order and with its meaning (hooks,
@@ -459,6 +495,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       does with ``start_powerSGD_iter``.
     - ``partial_sparsification=True`` (ADTopk-P): profile ``profile_rounds`` rounds, then send densely every
       tensor whose sparse path costs more than a dense allreduce (see :mod:`horovod_adtopk.partial`).
+    - ``hierarchical=True``: sparse tensors are summed densely inside each host and only blocks of whole
+      fibers travel sparsely between hosts (:mod:`horovod_adtopk.hierarchical`; needs
+      ``HOROVOD_DYNAMIC_PROCESS_SETS=1``); ``"auto"``: where the cost model predicts it faster. Falls back to
+      the flat exchange, with the reason in ``opt.stats()["hierarchical"]``, on one host, one rank per host
+      or hosts of different sizes.
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
@@ -471,7 +512,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if groups is None:
             groups = num_groups
     _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification)
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical)
     namespace = dict(_DistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state() initialises a fresh optimizer by stepping the *wrapped* class when the
     # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there. The
@@ -482,4 +523,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-               profile_rounds, warmup_steps)
+               profile_rounds, warmup_steps, hierarchical)

@@ -4,7 +4,8 @@ Layout (all tensors, numbers and strings, so ``torch.load(weights_only=True)`` r
 
     {"format": 1, "round": int, "world_size": int, "compression": {...settings...},
      "partial_sparsification": report or None,
-     "ranks": {rank: {"memory": ErrorFeedback.state_dict(), "compressor": compressor.state_dict()}}}
+     "ranks": {rank: {"memory": ErrorFeedback.state_dict(), "compressor": compressor.state_dict(),
+                      "hierarchical": Hierarchical.state_dict() (only with the hierarchical exchange)}}}
 
 ``ranks`` holds this rank's entry (``state_dict()``) or every rank's (``gather_state_dict()``, a
 collective, for a checkpoint written by rank 0 alone). Loading picks the loading rank's own entry.
@@ -20,10 +21,14 @@ STATE_KEY = "horovod_adtopk"
 STATE_FORMAT = 1
 
 
-def local_entry(memory, compression, sparse: bool) -> dict:
-    """This rank's private state: error-feedback memory and adaptive compressor state."""
-    return {"memory": memory.state_dict() if memory is not None else {},
-            "compressor": compression.state_dict() if sparse else {}}
+def local_entry(memory, compression, sparse: bool, hierarchical=None) -> dict:
+    """This rank's private state: error-feedback memory, adaptive compressor state and (with the
+    hierarchical exchange) the block memory with its layout."""
+    entry = {"memory": memory.state_dict() if memory is not None else {},
+             "compressor": compression.state_dict() if sparse else {}}
+    if hierarchical is not None:
+        entry["hierarchical"] = hierarchical.state_dict()
+    return entry
 
 
 def wrap(round_: int, world_size: int, description: dict, ranks: dict, partial_report: Optional[dict]) -> dict:

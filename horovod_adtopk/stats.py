@@ -9,7 +9,7 @@ allreduce of the same gradients would hand over (``4 * numel``), the baseline of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Optional
 
 
 @dataclass
@@ -40,9 +40,10 @@ class Stats:
     nonfinite_steps: int = 0
     tensors: Dict[str, TensorStats] = field(default_factory=dict)
 
-    def set_path(self, name: str, numel: int, sparse: bool, reason: str) -> None:
+    def set_path(self, name: str, numel: int, sparse: bool, reason: str, path: Optional[str] = None) -> None:
+        """Record the path of ``name``: "sparse" / "dense", or ``path`` when given (e.g. "hierarchical")."""
         t = self.tensors.setdefault(name, TensorStats(numel=numel))
-        t.path, t.reason = ("sparse" if sparse else "dense"), reason
+        t.path, t.reason = path or ("sparse" if sparse else "dense"), reason
 
     def record(self, name: str, numel: int, elements_sent: int, bytes_sent: int) -> None:
         t = self.tensors.setdefault(name, TensorStats(numel=numel))

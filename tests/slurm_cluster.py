@@ -6,6 +6,10 @@ fresh temporary directory. No systemd, no cgroups (proctrack/linuxproc, task/non
 On exit it cancels the cluster's jobs, stops the daemons by process id, ends any job process that is still
 left over (found by this cluster's own SLURM_CONF path in its environment) and removes the directory.
 
+``MultiHostSlurmCluster(cluster)`` spreads the same cluster over the hosts of an emulated multi-host
+``tests.cluster.Cluster``: slurmctld on its first host, one slurmd per host (each on its own address, with its
+own spool, pid and log file, ``%n`` in slurm.conf) and one munged per host, all with the same key.
+
 ``ClusterUnavailable`` is raised (with the daemons' logs in the message) when the cluster does not come up.
 """
 from __future__ import annotations
@@ -18,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo", "munge", "unmunge")
@@ -72,6 +76,8 @@ class SlurmCluster:
         self.start_timeout = start_timeout
         self.keep_dir = keep_dir
         self.node = socket.gethostname().split(".")[0]
+        self.nodes: List[Tuple[str, str]] = [(self.node, "127.0.0.1")]  # (NodeName, NodeAddr)
+        self.ctld_host, self.ctld_addr = self.node, "127.0.0.1"
         self.dir: Optional[Path] = None
         self.procs: Dict[str, subprocess.Popen] = {}
         self.env: Dict[str, str] = {}
@@ -83,9 +89,10 @@ class SlurmCluster:
 
     def _write_config(self) -> None:
         d = self.dir
-        for sub in ("munge", "state", "spool", "log", "run"):
+        for sub in ("munge", "state", "spool", "log", "run", "tmpfs"):
             (d / sub).mkdir(mode=0o700)
-        (d / "spool" / "slurmd").mkdir(mode=0o755)
+        for node, _ in self.nodes:
+            (d / "spool" / f"slurmd-{node}").mkdir(mode=0o755)
         os.chmod(d, 0o711)  # munged wants its socket's directories searchable by everyone
         os.chmod(d / "munge", 0o711)
         key = d / "munge" / "munge.key"
@@ -96,10 +103,12 @@ class SlurmCluster:
         ctld_port, slurmd_port = free_ports(2)
         srun_ports = free_port_range(20)
         self.conf = d / "slurm.conf"
+        node_lines = "\n".join(f"NodeName={n} NodeAddr={a} NodeHostname={n} CPUs={self.cpus} State=UNKNOWN"
+                               for n, a in self.nodes)
         self.conf.write_text(f"""\
-# one-node test cluster; loopback only; nothing outside {d}
+# test cluster; its own addresses only; nothing outside {d}
 ClusterName=hattest
-SlurmctldHost={self.node}(127.0.0.1)
+SlurmctldHost={self.ctld_host}({self.ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SrunPortRange={srun_ports.start}-{srun_ports.stop - 1}
@@ -109,14 +118,14 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool/slurmd
+SlurmdSpoolDir={d}/spool/slurmd-%n
 SlurmctldPidFile={d}/run/slurmctld.pid
-SlurmdPidFile={d}/run/slurmd.pid
+SlurmdPidFile={d}/run/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
-SlurmdLogFile={d}/log/slurmd.log
+SlurmdLogFile={d}/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-TmpFS={d}/spool
+TmpFS={d}/tmpfs
 # no systemd, no cgroups
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -134,15 +143,20 @@ SlurmdTimeout=300
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
-NodeName={self.node} NodeAddr=127.0.0.1 NodeHostname={self.node} CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}
+PartitionName=debug Nodes={",".join(n for n, _ in self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         for var in list(self.env):  # stale job variables from an enclosing allocation would confuse sbatch
             if var.startswith(("SLURM_", "SBATCH_", "SRUN_")) and var != "SLURM_CONF":
                 del self.env[var]
 
+    def _where(self, name: str, cmd: List[str]) -> List[str]:
+        """The command line that starts daemon ``name`` (here: as it is; on emulated hosts: on its host)."""
+        return cmd
+
     def _spawn(self, name: str, cmd: List[str]) -> None:
+        cmd = self._where(name, cmd)
         log = open(self.dir / "log" / f"{name}.stdout", "wb")
         try:
             self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -165,12 +179,17 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         kw.setdefault("env", self.env)
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
-    def _munge_ok(self) -> bool:
+    def _munge_dirs(self) -> List[Tuple[str, Path]]:
+        """(daemon name, directory with its key and socket) of every munged to start."""
+        return [("munged", self.dir / "munge")]
+
+    def _munge_ok(self, socket_path: Optional[Path] = None) -> bool:
+        sock = str(socket_path or self.munge_socket)
         try:
-            cred = self._quiet(["munge", "-n", "-S", str(self.munge_socket)], timeout=5)
+            cred = self._quiet(["munge", "-n", "-S", sock], timeout=5)
             if cred.returncode != 0:
                 return False
-            return self._quiet(["unmunge", "-S", str(self.munge_socket)], input=cred.stdout, timeout=5).returncode == 0
+            return self._quiet(["unmunge", "-S", sock], input=cred.stdout, timeout=5).returncode == 0
         except subprocess.TimeoutExpired:
             return False
 
@@ -188,6 +207,10 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             return ""
         return r.stdout.strip().lower()
 
+    def _all_idle(self) -> bool:
+        states = self.node_state().split()
+        return len(states) == len(self.nodes) and all(st.startswith("idle") for st in states)
+
     def start(self) -> "SlurmCluster":
         if os.geteuid() != 0:
             raise ClusterUnavailable("the test cluster runs its daemons as root; not root here")
@@ -198,15 +221,18 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         try:
             self._write_config()
             d = self.dir
-            self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-                                   f"--key-file={d}/munge/munge.key", f"--log-file={d}/log/munged.log",
-                                   f"--pid-file={d}/run/munged.pid", f"--seed-file={d}/munge/munged.seed"])
-            self._wait_for("munged to answer on its socket", self._munge_ok, "munged")
+            for name, mdir in self._munge_dirs():
+                self._spawn(name, ["munged", "--foreground", "--force", f"--socket={mdir}/munge.socket",
+                                   f"--key-file={mdir}/munge.key", f"--log-file={d}/log/{name}.log",
+                                   f"--pid-file={d}/run/{name}.pid", f"--seed-file={mdir}/munged.seed"])
+                self._wait_for(f"{name} to answer on its socket", lambda: self._munge_ok(mdir / "munge.socket"),
+                               name)
             self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)])
             self._wait_for("slurmctld to answer `scontrol ping`", self._ctld_ok, "slurmctld")
-            self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf), "-N", self.node])
-            self._wait_for(f"node {self.node} to become idle",
-                           lambda: self.node_state().startswith("idle"), "slurmd")
+            for node, _ in self.nodes:
+                self._spawn(f"slurmd@{node}", ["slurmd", "-D", "-f", str(self.conf), "-N", node])
+            names = " ".join(n for n, _ in self.nodes)
+            self._wait_for(f"node(s) {names} to become idle", self._all_idle, f"slurmd@{self.nodes[-1][0]}")
         except BaseException as exc:
             logs = self.logs()
             self.stop()
@@ -309,9 +335,9 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
                     time.sleep(1)
             except (OSError, subprocess.SubprocessError):
                 pass
-        for name in reversed(DAEMONS):
-            proc = self.procs.get(name)
-            if proc is None or proc.poll() is not None:
+        for name in sorted(self.procs, key=lambda n: DAEMONS.index(n.split("@")[0]), reverse=True):
+            proc = self.procs[name]
+            if proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
             try:
@@ -332,3 +358,41 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class MultiHostSlurmCluster(SlurmCluster):
+    """A Slurm cluster over the hosts of an emulated ``tests.cluster.Cluster``: slurmctld on the first host,
+    one slurmd per host (NodeName = hostname, NodeAddr = its cluster address), and a munged per host with the
+    same key, as on a real cluster (one munged shared by two slurmds rejects the second decode of a step's
+    launch credential as "Replayed credential"). Every daemon on a host sees that host's munge directory and
+    its own TmpFS at the paths slurm.conf names (bind mounts in its private mount namespace). Clients (sbatch, scontrol) run
+    here, in the root namespace, with the first munged; it reaches the hosts through the cluster's bridge."""
+
+    def __init__(self, cluster, cpus: Optional[int] = None, start_timeout: float = 90.0,
+                 keep_dir: bool = False) -> None:
+        super().__init__(cpus=cpus, start_timeout=start_timeout, keep_dir=keep_dir)
+        self.cluster = cluster
+        self.nodes = [(h.name, h.address) for h in cluster.hosts]
+        self.ctld_host, self.ctld_addr = cluster.hosts[0].name, cluster.hosts[0].address
+
+    def _munge_dirs(self) -> List[Tuple[str, Path]]:
+        dirs = super()._munge_dirs()
+        for h in self.cluster.hosts:
+            mdir = self.dir / f"munge-{h.name}"
+            if not mdir.is_dir():
+                mdir.mkdir(mode=0o711)
+                shutil.copy2(dirs[0][1] / "munge.key", mdir / "munge.key")
+            dirs.append((f"munged@{h.name}", mdir))
+        return dirs
+
+    def _where(self, name: str, cmd: List[str]) -> List[str]:
+        host = self.cluster.hosts[0].name if name == "slurmctld" else name.split("@", 1)[1] \
+            if name.startswith("slurmd@") else None
+        if host is None:
+            return cmd
+        # this host's munged and its own TmpFS (PMIx puts per-step directories there that would collide)
+        tmpfs = self.dir / f"tmpfs-{host}"
+        tmpfs.mkdir(mode=0o755, exist_ok=True)
+        bind = 'mount --bind "$0" "$1" && mount --bind "$2" "$3" && shift 3 && exec "$@"'
+        return self.cluster.on_host(host, ["sh", "-c", bind, str(self.dir / f"munge-{host}"), str(self.dir / "munge"),
+                                           str(tmpfs), str(self.dir / "tmpfs"), *cmd])
