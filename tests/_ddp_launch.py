@@ -57,7 +57,13 @@ def rank_main(rank: int, worker: str, args_path: str, outdir: str) -> int:
         os._exit(1)  # a failed collective may leave the process group unable to shut down cleanly
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The result is written and the group destroyed; skip the interpreter's teardown, where torch's Gloo
+    # threads were seen to abort ("terminate called without an active exception") about once in ten runs
+    # on a heavily loaded machine (load average 20 on 2 cores) - an exit-time problem of the test process
+    # that says nothing about the result. Open: find its cause (train.py --engine ddp may show it too).
+    os._exit(0)
 
 
 if __name__ == "__main__":
