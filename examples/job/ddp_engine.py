@@ -160,7 +160,17 @@ class DDPEngine:
 
 
 def _shutdown() -> None:
+    """Wait for every rank (at most 30 s), then destroy the group: a rank that tears its Gloo threads down
+    while a peer still talks to it was seen to abort at exit ("terminate called without an active
+    exception") after a successful run."""
     if dist.is_initialized():
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=30))
+            else:
+                dist.barrier()
+        except Exception:  # a peer is gone (the job failed): destroy anyway
+            pass
         dist.destroy_process_group()
 
 
