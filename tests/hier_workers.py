@@ -14,7 +14,7 @@ import torch
 import horovod.torch as hvd
 
 import horovod_adtopk as hat
-from tests.workers import SmallCNN, _case_compression, _case_params, local_gradient, params_digest, DTYPES
+from tests.workers import SmallCNN, feed_case, params_digest
 
 
 def _done() -> None:
@@ -32,22 +32,7 @@ def hier_cases(args, outdir):
     rank = hvd.rank()
     summary = []
     for ci, case in enumerate(args["cases"]):
-        params = _case_params(case)
-        named = [(f"case{ci}.{n}", p) for n, p in params.items()]
-        opt = hat.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.0), named_parameters=named,
-                                       compression=_case_compression(case),
-                                       op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
-                                       hierarchical=case.get("hierarchical", True))
-        dtype = DTYPES[case.get("dtype", "float32")]
-        arrays = {}
-        for t in range(case.get("steps", 3)):
-            for n, p in params.items():
-                g = local_gradient(ci, rank, t, n, p.shape, dtype)
-                p.grad = g.clone()
-                arrays[f"g/{t}/{n}"] = g.numpy()
-            opt.synchronize()
-            for n, p in params.items():
-                arrays[f"out/{t}/{n}"] = p.grad.numpy().copy()
+        opt, arrays = feed_case(ci, case, hierarchical=case.get("hierarchical", True))
         entry = opt.state_dict()["horovod_adtopk"]["ranks"][rank]
         blocks = entry["hierarchical"]["blocks"]
         for key, res in entry["hierarchical"]["memory"]["residuals"].items():

@@ -28,29 +28,37 @@ def smoke_collectives(args, outdir):
     return {"rank": r, "size": w, "gathered": gathered.tolist(), "summed": summed.tolist()}
 
 
+def feed_case(ci: int, case: dict, **opt_kwargs):
+    """Case ``ci``: its parameters under hat.DistributedOptimizer (``opt_kwargs`` added), fed known per-rank
+    gradients for ``case["steps"]`` rounds; returns ``(opt, arrays)`` with every step's local gradient
+    (``g/t/name``) and aggregate (``out/t/name``)."""
+    rank = hvd.rank()
+    params = _case_params(case)
+    named = [(f"case{ci}.{n}", p) for n, p in params.items()]
+    opt = hat.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.0), named_parameters=named,
+                                   compression=_case_compression(case),
+                                   op=hvd.Sum if case.get("op") == "sum" else hvd.Average, **opt_kwargs)
+    dtype = DTYPES[case.get("dtype", "float32")]
+    arrays = {}
+    for t in range(case.get("steps", 3)):
+        for n, p in params.items():
+            scale = case.get("scale", {}).get(n, 1.0) * case.get("rank_scale", [1.0] * 8)[rank]
+            g = local_gradient(ci, rank, t, n, p.shape, dtype, scale)
+            p.grad = g.clone()
+            arrays[f"g/{t}/{n}"] = g.numpy()
+        opt.synchronize()
+        for n, p in params.items():
+            arrays[f"out/{t}/{n}"] = p.grad.numpy().copy()
+    return opt, arrays
+
+
 def reference_cases(args, outdir):
     """For each case: feed known per-rank gradients, synchronize, record the aggregated gradients."""
     rank = hvd.rank()
     summary = []
     for ci, case in enumerate(args["cases"]):
-        params = _case_params(case)
-        named = [(f"case{ci}.{n}", p) for n, p in params.items()]
-        opt = hat.DistributedOptimizer(torch.optim.SGD(list(params.values()), lr=0.0), named_parameters=named,
-                                       compression=_case_compression(case),
-                                       op=hvd.Sum if case.get("op") == "sum" else hvd.Average,
-                                       gradient_predivide_factor=case.get("predivide", 1.0),
-                                       groups=case.get("groups"), warmup_steps=case.get("warmup_steps", 0))
-        dtype = DTYPES[case.get("dtype", "float32")]
-        arrays = {}
-        for t in range(case.get("steps", 3)):
-            for n, p in params.items():
-                scale = case.get("scale", {}).get(n, 1.0) * case.get("rank_scale", [1.0] * 8)[rank]
-                g = local_gradient(ci, rank, t, n, p.shape, dtype, scale)
-                p.grad = g.clone()
-                arrays[f"g/{t}/{n}"] = g.numpy()
-            opt.synchronize()
-            for n, p in params.items():
-                arrays[f"out/{t}/{n}"] = p.grad.numpy().copy()
+        opt, arrays = feed_case(ci, case, gradient_predivide_factor=case.get("predivide", 1.0),
+                                groups=case.get("groups"), warmup_steps=case.get("warmup_steps", 0))
         mem = opt.state_dict()["horovod_adtopk"]["ranks"][rank]["memory"]
         for n, res in (mem.get("residuals") or {}).items():
             arrays[f"res/{n.split('.', 1)[1]}"] = res.numpy()
