@@ -167,15 +167,18 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
         ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
         base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
         return ddp, base, f"ddp-powersgd{rank}", state
-    partial = mode.endswith("-p")  # e.g. adtopk-p: partial sparsification decides per tensor after warm-up
-    name = mode[:-2] if partial else mode
+    overlap = mode.endswith("-o")  # e.g. adtopk-o: selection on the overlap worker thread (overlap=True)
+    name = mode[:-2] if overlap else mode
+    partial = name.endswith("-p")  # e.g. adtopk-p: partial sparsification decides per tensor after warm-up
+    name = name[:-2] if partial else name
     psgd = re.fullmatch(r"powersgd(\d*)", name)  # our PowerSGD: powersgd (rank --powersgd-rank) or powersgdR
     if psgd:
         compression = hat.Compression.from_options("powersgd", rank=int(psgd.group(1) or cfg["powersgd_rank"]))
     else:
         compression = hat.Compression.get(name, ratio=cfg["ratio"])
     opt = hat.DistributedOptimizer(base, named_parameters=named, compression=compression,
-                                   partial_sparsification=partial, profile_rounds=max(1, cfg["warmup"]))
+                                   partial_sparsification=partial, profile_rounds=max(1, cfg["warmup"]),
+                                   overlap=overlap)
     return model, opt, "hat", None
 
 
@@ -249,6 +252,8 @@ def run_mode(mode: str, idx: int, cfg: dict, comm, tag: str, round_: int = 0) ->
             "decompress_s_per_step": d["decompress_seconds"] / n,
             "bytes_source": "opt.stats() (rank 0)" if kind == "hat" else "hat.ddp state.stats() (rank 0)",
         })
+        if stats1.get("overlap", {}).get("enabled"):  # main-thread wait for the worker in synchronize()
+            res["overlap_wait_s_per_step"] = (stats1["overlap"]["wait_seconds"] - stats0["overlap"]["wait_seconds"]) / n
         if kind == "ddp-hat":
             res["note"] = "DDP + horovod_adtopk.ddp hook, default 25 MB buckets"
     elif kind == "hvd":

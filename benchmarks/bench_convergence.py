@@ -172,6 +172,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench_results/convergence)")
     p.add_argument("--plot-dir", type=Path, default=None, help="where the PNGs go (default --out-dir)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep the evaluation checkpoints")
+    p.add_argument("--channel-stats", action="store_true",
+                   help="pass train.py --channel-stats: per-layer update density and share of output channels "
+                        "updated per step (out-dir/channels/<run>.json, a table per dataset in table.md)")
     p.add_argument("--reuse", action="store_true",
                    help="skip a run whose record in --out-dir finished with exactly the same command")
     p.add_argument("--analyse-only", action="store_true", help="launch nothing; aggregate the records in --out-dir")
@@ -429,6 +432,8 @@ def plan_runs(args) -> List[dict]:
         if args.eval_points > 0 and total > 1:
             every = max(1, math.ceil(total / args.eval_points))
             argv += ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", str(every), "--keep-checkpoints", "0"]
+        if args.channel_stats:
+            argv += ["--channel-stats", str(args.out_dir / "channels" / f"{name}.json")]
         cmd = [HOROVODRUN, "-np", str(args.np), "--gloo", sys.executable, str(TRAIN)] + argv
         plans.append(dict(run, name=name, cmd=cmd, total_steps=total, steps_per_epoch=spe[run["dataset"]],
                           checkpoint_every=every, ckpt_dir=ckpt_dir if every else None,
@@ -518,6 +523,8 @@ def execute_run(args, plan: dict) -> dict:
         if not args.keep_checkpoints:
             shutil.rmtree(plan["ckpt_dir"], ignore_errors=True)
     curve = [points[s] for s in sorted(points)]
+    channels_path = out / "channels" / f"{name}.json"
+    channels = json.loads(channels_path.read_text()) if args.channel_stats and channels_path.is_file() else None
     if curve:
         curve_path.parent.mkdir(parents=True, exist_ok=True)
         curve_path.write_text("".join(json.dumps(r) + "\n" for r in curve))
@@ -530,7 +537,7 @@ def execute_run(args, plan: dict) -> dict:
                 "points": [{k: r.get(k) for k in keys} for r in curve], "eval_check_abs_diff": eval_check,
                 "eval_error": eval_error,
                 "log_tail": None if status == "ok" else "\n".join(output.strip().splitlines()[-15:]),
-                "reused": False})
+                "reused": False, "channels": channels})
     record_path.parent.mkdir(parents=True, exist_ok=True)
     record_path.write_text(json.dumps(row, indent=1))
     return row
@@ -669,7 +676,8 @@ def analyse(args, records: List[dict]) -> Tuple[List[dict], dict]:
              "dense_rounds": runs[0]["dense_rounds"], "density_warmup": runs[0]["density_warmup"],
              "step_time_s": t_m, "step_time_note": note, "step_time_dense_s": t_d, "runs": per_run,
              "n_reached": sum(p["steps_to_target"] is not None for p in per_run),
-             "n_diverged": sum(p["diverged"] for p in per_run)}
+             "n_diverged": sum(p["diverged"] for p in per_run),
+             "channels": channel_means([x.get("channels") for x in runs])}
         for field in ("final", "bytes_vs_dense", "bytes_sent", "density", "steps", "wall_time", "steps_to_target",
                       "wall_to_target", "modelled_to_target", "modelled_total"):
             g[field + "_mean"], g[field + "_std"] = mean_std([p[field] for p in per_run])
@@ -784,6 +792,46 @@ def pm(m: Optional[float], s: Optional[float], spec: str, scale: float = 1.0) ->
     return format(scale * m, spec) + ("" if s is None else " ± " + format(scale * s, spec))
 
 
+def channel_means(per_run: List[Optional[dict]]) -> Optional[dict]:
+    """Per layer, over the seeds with train.py --channel-stats: mean steady-state update density and share of
+    output channels updated per step, and the smallest share any seed saw after the warm-up."""
+    runs = [c for c in per_run if c]
+    if not runs:
+        return None
+    out = {}
+    for layer, first in runs[0]["layers"].items():
+        rows = [c["layers"][layer] for c in runs if layer in c["layers"] and c["layers"][layer]["steady_steps"]]
+        if rows:
+            out[layer] = {"shape": first["shape"], "path": first["path"], "seeds": len(rows),
+                          "density": statistics.fmean(r["steady_density"] for r in rows),
+                          "channel_share": statistics.fmean(r["steady_channel_share"] for r in rows),
+                          "min_channel_share": min(r["steady_min_channel_share"] for r in rows)}
+    return out
+
+
+def channel_table(groups: List[dict]) -> str:
+    """Markdown: per dataset and layer, each group's steady-state density / share of channels updated."""
+    lines = []
+    for ds in dict.fromkeys(g["dataset"] for g in groups):
+        gs = [g for g in groups if g["dataset"] == ds and g.get("channels")]
+        if not gs:
+            continue
+        layers = list(dict.fromkeys(layer for g in gs for layer in g["channels"]))
+        lines += [f"\n{ds}: per layer after the compression warm-up, mean over seeds: density of the applied update "
+                  "/ share of output channels updated per step (smallest share seen)\n",
+                  "| layer | shape | " + " | ".join(g["label"] for g in gs) + " |",
+                  "|---|---|" + "---|" * len(gs)]
+        for layer in layers:
+            cells = []
+            for g in gs:
+                c = g["channels"].get(layer)
+                cells.append("-" if c is None else
+                             f"{c['density']:.4f} / {100 * c['channel_share']:.1f}% ({100 * c['min_channel_share']:.0f}%)")
+            shape = next(g["channels"][layer]["shape"] for g in gs if layer in g["channels"])
+            lines.append(f"| {layer} | {'x'.join(map(str, shape))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def markdown_table(args, groups: List[dict]) -> str:
     lines = []
     for ds in dict.fromkeys(g["dataset"] for g in groups):
@@ -882,7 +930,7 @@ def report(args, start) -> None:
         print("no finished runs in", args.out_dir)
         return
     groups, extra = analyse(args, records)
-    text = markdown_table(args, groups)
+    text = markdown_table(args, groups) + channel_table(groups)
     checks = verdicts(args, groups)
     vtext = "\n".join(f"- [{'INFO' if c['target'].startswith('(information)') else 'n/a' if c['holds'] is None else ('MET' if c['holds'] else 'MISSED')}] {c['target']}: "
                       f"{c['detail']}" for c in checks)

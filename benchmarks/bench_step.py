@@ -165,7 +165,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     known_dense = {"compute", "compute-noinit", "hvd-dense", "hvd-fp16", "ddp-powersgd"}
     from horovod_adtopk.compressors import _REGISTRY  # light import check of the names
     for m in a.modes:
-        base_name = m[:-2] if m.endswith("-p") else m  # NAME-p: with partial sparsification (ADTopk-P)
+        base_name = m[:-2] if m.endswith("-o") else m  # NAME-o: selection on the overlap worker thread
+        base_name = base_name[:-2] if base_name.endswith("-p") else base_name  # NAME-p: partial sparsification
         if re.fullmatch(r"powersgd\d+", base_name):  # our PowerSGD at rank R (powersgd4)
             continue
         ddp = re.fullmatch(r"ddp-(dense|powersgd\d*|(.+))", m)  # DDP engine: dense, PyTorch PowerSGD[R], our hook

@@ -154,6 +154,7 @@ class SparseSender:
         self.sparsifier = Sparsifier(compression, memory, prescale)  # error feedback around selection
         self.nonfinite: List[tuple] = self.sparsifier.nonfinite  # (name, 0-d bool: every sent value finite)
         self.profile = None  # a PartialSparsification while it profiles
+        self.overlap = None  # a horovod_adtopk.overlap.Overlap: selection off the hook's thread
 
     def timed(self, name: str, which: int, seconds: float) -> None:
         """Account ``seconds`` of compression (``which=0``) or decompression (1) work on ``name``."""
@@ -169,6 +170,22 @@ class SparseSender:
         c = self.compression
         if hasattr(c, "make_exchange"):  # rules with their own collectives (PowerSGD)
             return c.make_exchange(self, p, grad, info, step)
+        if self.overlap is not None and self.overlap.applies(grad):
+            # Built by the worker thread; the counters are written on this thread when it is waited for.
+            return self.overlap.submit(lambda: self._build(p, grad, info, step), (p,), self._account)
+        exchange, accounting = self._build(p, grad, info, step)
+        self._account(accounting)
+        return exchange
+
+    def _account(self, accounting: tuple) -> None:
+        name, numel, elements, sent, seconds = accounting
+        self.stats.record(name, numel, elements, sent)
+        self.timed(name, 0, seconds)
+
+    def _build(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int):
+        """The exchange and its accounting ``(name, numel, elements, bytes, seconds)``; touches no counter, so
+        the overlap worker can run it."""
+        c = self.compression
         start = time.perf_counter()
         wire_dtype = c.wire_value_dtype(info.dtype)
         s = self.sparsifier.empty(info, step, p.device) if grad is None else self.sparsifier.select(grad, info, step)
@@ -189,9 +206,7 @@ class SparseSender:
             handle = self.comm.allgather_async(payload, tag)
             exchange = SparseExchange(self, p, info, s.codec, wire_dtype, handle, count_handle)
             sent = payload_bytes(payload) + (COUNT_BYTES if count_handle is not None else 0)
-        self.stats.record(info.name, info.numel, s.values.numel(), sent)
-        self.timed(info.name, 0, time.perf_counter() - start)
-        return exchange
+        return exchange, (info.name, info.numel, s.values.numel(), sent, time.perf_counter() - start)
 
     def scrub_nonfinite(self) -> int:
         """Zero NaN/Inf left in the memory of tensors that sent a non-finite value this round; returns how

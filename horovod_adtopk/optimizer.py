@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, hierarchical as hier, paths, state
+from . import config_check, hierarchical as hier, overlap as overlap_, paths, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -38,6 +38,13 @@ from .partial import PartialSparsification
 from .stats import Stats
 
 STATE_KEY = state.STATE_KEY
+# Horovod's own messages, word for word (users and tests match them).
+_STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                           "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                           "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                           "your code.")
+_ZERO_GRAD_IN_ROUND = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                       "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -46,7 +53,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-                 profile_rounds, warmup_steps, hierarchical=False):
+                 profile_rounds, warmup_steps, hierarchical=False, overlap=False):
         super(self.__class__, self).__init__(params)
         named = _check_named_parameters(named_parameters, self.param_groups)
         self._compression = compression
@@ -62,6 +69,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._memory = ErrorFeedback(compression.momentum) if self._sparse and compression.error_feedback else None
         self._sender = (SparseSender(compression, self._memory, self._comm, self._stats, op, hvd.Sum, op == hvd.Average,
                                      *self._scales()) if self._sparse else None)
+        self._overlap = overlap_.attach(self._sender, overlap, hvd.local_size())
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
         self._hierarchical_setting = hierarchical if self._sparse else False
         self._hier: Optional[hier.Hierarchical] = None  # the hierarchical exchange kind (dense in a host)
@@ -244,18 +252,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                              "your code.")
+                warnings.warn(_STEP_AFTER_SYNCHRONIZE)
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
         if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
-                                 "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+            raise AssertionError(_ZERO_GRAD_IN_ROUND)
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -263,7 +267,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._allreduce_delay = dict.fromkeys(self._allreduce_delay, passes)
 
     def _reset_round(self) -> None:
-        """No exchange in flight, no join query, every delay counter full."""
+        """No exchange in flight (nor being built by the overlap worker), no join query, full delays."""
+        if self._overlap is not None and self._handles:
+            self._overlap.drain()
         self._handles = {}
         self._join.reset()
         self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
@@ -338,6 +344,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             out["partial_sparsification"] = self._partial.report
         if self._hier is not None:
             out["hierarchical"] = self._hier.report()
+        out["overlap"] = self._overlap.report() if self._overlap is not None else {"enabled": False}
         return out
 
 
@@ -420,7 +427,8 @@ def _make_groups(groups, names: dict, infos: dict, sparse_path: dict) -> Dict[to
 
 
 def _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical=False) -> None:
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical=False, overlap=False) -> None:
+    overlap_.check_setting(overlap)
     if not (hierarchical is True or hierarchical is False or hierarchical == "auto"):
         raise ValueError(f"hierarchical must be False, True or \"auto\", got {hierarchical!r}")
     if op == hvd.Adasum:
@@ -451,7 +459,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=hvd.global_process_set, *, partial_sparsification: bool = False,
-                         profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False):
+                         profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False, overlap=False):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     The arguments of ``hvd.DistributedOptimizer``, in Horovod's order and with its meaning (hooks,
@@ -469,6 +477,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       ``HOROVOD_DYNAMIC_PROCESS_SETS=1``); ``"auto"``: where the cost model predicts it faster. Falls back to
       the flat exchange, with the reason in ``opt.stats()["hierarchical"]``, on one host, one rank per host
       or hosts of different sizes.
+    - ``overlap=True``: error feedback, selection and packing of CPU tensors run on a worker thread while the
+      backward pass goes on (:mod:`horovod_adtopk.overlap`; bitwise the same result); ``"auto"``: where the
+      rank has a core beyond its torch threads.
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
@@ -481,7 +492,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if groups is None:
             groups = num_groups
     _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical)
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical, overlap)
     namespace = dict(_DistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state() initialises a fresh optimizer by stepping the *wrapped* class when the
     # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there. The
@@ -492,4 +503,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-               profile_rounds, warmup_steps, hierarchical)
+               profile_rounds, warmup_steps, hierarchical, overlap)

@@ -9,11 +9,16 @@ from tests import reference as ref
 from tests.harness import run_ranks
 
 
-@pytest.mark.parametrize("bpps", [1, 2])
-def test_hooks_and_backward_passes_match_reference(bpps):
+@pytest.mark.parametrize("bpps,overlap", [(1, False), (2, False), (2, True)],
+                         ids=["bpps1", "bpps2", "bpps2-overlap"])
+def test_hooks_and_backward_passes_match_reference(bpps, overlap):
+    """overlap=True: selection runs on the worker thread while the backward pass goes on; same reference."""
     steps, ratio = 3, 0.1
-    results = run_ranks("hooks_reference", np=2, controller="gloo", args={"bpps": bpps, "steps": steps, "ratio": ratio},
-                        timeout=120)
+    results = run_ranks("hooks_reference", np=2, controller="gloo",
+                        args={"bpps": bpps, "steps": steps, "ratio": ratio, "overlap": overlap}, timeout=120)
+    assert results[0]["overlap"]["enabled"] is overlap
+    if overlap:  # every sparse tensor of every step went through the worker
+        assert results[0]["overlap"]["exchanges"] > 0
     names, shapes, outdir = results[0]["names"], results[0]["shapes"], Path(results[0]["outdir"])
     data = [np.load(outdir / f"hooks_rank{r}.npz") for r in range(2)]
     grads = [[{n: d[f"g/{t}/{n}"] for n in names} for t in range(steps)] for d in data]
@@ -30,7 +35,8 @@ def test_hooks_and_backward_passes_match_reference(bpps):
 def test_small_cnn_ranks_stay_bitwise_identical():
     specs = [{"compressor": "adtopk", "kwargs": {"ratio": 0.01}},
              {"compressor": "adtopk", "kwargs": {"ratio": 0.05, "value_dtype": "float16"}, "bpps": 2},
-             {"compressor": "none"}]
+             {"compressor": "none"},
+             {"compressor": "adtopk", "kwargs": {"ratio": 0.01}, "overlap": True}]
     results = run_ranks("train_consistency", np=2, controller="gloo", args={"compressors": specs, "steps": 100},
                         timeout=240)
     runs = {k: v for k, v in results[0].items() if k != "outdir"}
@@ -39,6 +45,10 @@ def test_small_cnn_ranks_stay_bitwise_identical():
         assert len(set(res["digests"])) == 1, f"{name}: ranks diverged {res['digests']}"
         assert math.isfinite(res["last_loss"])
     assert runs["0:adtopk"]["density"] < 0.1
+    # The overlap worker changes where selection runs, not what it computes: 100 steps bitwise the same.
+    assert runs["3:adtopk"]["overlap"]["exchanges"] >= 100 and not runs["0:adtopk"]["overlap"]["enabled"]
+    assert runs["3:adtopk"]["digests"] == runs["0:adtopk"]["digests"]
+    assert runs["3:adtopk"]["bytes_sent"] == runs["0:adtopk"]["bytes_sent"]
 
 
 def test_process_set_of_two_out_of_three():

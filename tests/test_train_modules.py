@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod_adtopk as hat
-from examples.job import build, checkpoints, data, engine, logs, options
+from examples.job import build, channels, checkpoints, data, engine, logs, options
 from tests.harness import REPO, run_command
 
 TRAIN = str(REPO / "examples" / "train.py")
@@ -283,3 +283,39 @@ def test_train_py_runs_from_another_folder_without_pythonpath(tmp_path):
                              cwd=str(tmp_path))
     assert rc == 0, out[-3000:]
     assert "--no-warmup" in out and "--dense-rounds" in out and "Data-parallel training" in out
+
+
+# --------------------------------------------------------------------------------------------------------
+# channels: per-layer update density and the share of output channels updated (--channel-stats)
+# --------------------------------------------------------------------------------------------------------
+
+def test_channel_stats_against_numpy(tmp_path):
+    import json
+    import numpy as np
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 6, 3), torch.nn.Flatten(), torch.nn.Linear(8, 5))
+    stats = channels.ChannelStats(model, str(tmp_path / "ch.json"), steady_after=1)
+    assert [n for n, _ in stats.params] == ["0.weight", "2.weight"]  # biases (1-D) are not layers here
+    rng = np.random.default_rng(0)
+    grads = []
+    for step in (1, 2, 3):
+        step_grads = {}
+        for n, p in model.named_parameters():
+            g = rng.standard_normal(tuple(p.shape)) * (rng.random(tuple(p.shape)) < 0.05 * step)
+            p.grad = torch.tensor(g, dtype=p.dtype)
+            step_grads[n] = g
+        grads.append(step_grads)
+        stats.observe(step)
+    stats.write({"tensors": {"0.weight": {"path": "sparse"}}})
+    out = json.loads((tmp_path / "ch.json").read_text())
+    assert out["steady_after_step"] == 1
+    for n in ("0.weight", "2.weight"):
+        rows = [g[n].reshape(g[n].shape[0], -1) != 0 for g in grads]
+        dens = [r.mean() for r in rows]
+        share = [r.any(axis=1).mean() for r in rows]
+        got = out["layers"][n]
+        assert got["steps"] == 3 and got["steady_steps"] == 2
+        assert got["density"] == pytest.approx(np.mean(dens)) and got["channel_share"] == pytest.approx(np.mean(share))
+        assert got["steady_density"] == pytest.approx(np.mean(dens[1:]))
+        assert got["steady_channel_share"] == pytest.approx(np.mean(share[1:]))
+        assert got["steady_min_channel_share"] == pytest.approx(min(share[1:]))
+    assert out["layers"]["0.weight"]["path"] == "sparse" and out["layers"]["2.weight"]["path"] is None

@@ -108,7 +108,8 @@ def train_consistency(args, outdir):
         opt = hat.DistributedOptimizer(base, named_parameters=[(f"{si}.{n}", p)
                                                                for n, p in model.named_parameters()],
                                        compression=comp,
-                                       backward_passes_per_step=spec.get("bpps", 1))
+                                       backward_passes_per_step=spec.get("bpps", 1),
+                                       overlap=spec.get("overlap", False))
         gen = torch.Generator().manual_seed(100 + hvd.rank())
         losses = []
         for step in range(args["steps"]):
@@ -121,8 +122,9 @@ def train_consistency(args, outdir):
             opt.zero_grad()
             losses.append(float(loss))
         digests = hvd.allgather_object(params_digest(model), name=f"digest.{si}")
+        st = opt.stats()
         out[label] = {"digests": digests, "steps": len(losses), "first_loss": losses[0], "last_loss": losses[-1],
-                                   "density": opt.stats()["density"]}
+                      "density": st["density"], "bytes_sent": st["bytes_sent"], "overlap": st["overlap"]}
     return out
 
 
@@ -217,7 +219,7 @@ def hooks_reference(args, outdir):
     named = list(model.named_parameters())
     opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named,
                                    compression=hat.Compression.adtopk(ratio=args["ratio"], min_numel=0, hybrid=False),
-                                   backward_passes_per_step=bpps)
+                                   backward_passes_per_step=bpps, overlap=args.get("overlap", False))
     gen = torch.Generator().manual_seed(10 + rank)
     arrays = {}
     for step in range(args["steps"]):
@@ -237,7 +239,8 @@ def hooks_reference(args, outdir):
             opt.step()
         opt.zero_grad()
     np.savez(Path(outdir, f"hooks_rank{rank}.npz"), **arrays)
-    return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named}}
+    return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named},
+            "overlap": opt.stats()["overlap"]}
 
 
 def _batch(rank: int, step: int, n: int = 16):

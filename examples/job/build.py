@@ -85,8 +85,12 @@ def setup(args: argparse.Namespace, process_start: float) -> Job:
                   # the cosine schedule depends on the planned length (--epochs); the constant one does not
                   schedule_horizon=horizon if args.lr_schedule == "cosine" else None)
     total_steps = horizon if args.max_steps is None else min(horizon, args.max_steps)
+    channels = None
+    if args.channel_stats:
+        from .channels import ChannelStats
+        channels = ChannelStats(model, args.channel_stats, (args.dense_rounds or 0) + (args.density_warmup or 0))
     return Job(args=args, spec=spec, engine=engine, device=device,
                train_set=train_set, test_set=test_set, model=model, opt=opt, scheduler=scheduler,
                sampler=sampler, steps_per_epoch=steps_per_epoch, warmup=warmup, total_steps=total_steps,
                config=config, ckpt_dir=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
-               process_start=process_start, tensorboard=tensorboard)
+               process_start=process_start, tensorboard=tensorboard, channels=channels)

@@ -104,6 +104,8 @@ def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
         lr = job.opt.param_groups[0]["lr"]
         loss = train_step(job, x, y)
         progress.step += 1
+        if job.channels is not None:
+            job.channels.observe(progress.step)
         progress.batch += 1
         progress.loss_sum += loss
         progress.loss_count += 1
@@ -125,6 +127,8 @@ def report(job: Job, progress: Progress) -> dict:
     res["total_seconds"] = time.time() - job.process_start
     if job.rank != 0:
         return res
+    if job.channels is not None:
+        job.channels.write(job.opt.stats() if hasattr(job.opt, "stats") else None)
     text = json.dumps(res)
     if job.metrics_file is not None:
         job.metrics_file.write(text + "\n")

@@ -79,6 +79,9 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-out", default=None,
                    help="JSONL file: one line per evaluation; the last (\"final\": true) is the run's summary")
     p.add_argument("--summary-json", default=None, help="also write the run's summary (one JSON object) here")
+    p.add_argument("--channel-stats", default=None, metavar="FILE",
+                   help="write per-layer update density and the share of output channels updated per step here "
+                        "(JSON, rank 0; examples/job/channels.py)")
     p.add_argument("--print-final-json", action="store_true",
                    help="also log the summary as a last line 'FINAL {json}' (for scripts reading the log)")
     p.add_argument("--log-every", type=float, default=10.0,

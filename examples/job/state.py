@@ -52,6 +52,7 @@ class Job:
     train_start: float = 0.0
     last_record: Optional[dict] = None
     last_ckpt_step: Optional[int] = None
+    channels: Optional[object] = None  # job.channels.ChannelStats with --channel-stats
 
     @property
     def rank(self) -> int:
