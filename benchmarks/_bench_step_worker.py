@@ -76,7 +76,7 @@ def make_batches(model_name: str, batch: int, seq_len: int, count: int, seed: in
         elif model_name == "lstm":
             x = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
             y = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
-        elif model_name == "cnn":  # examples/models.py SmallCNN on Fashion-MNIST-shaped 1x28x28 images
+        elif model_name in ("cnn", "vgg"):  # examples/models.py SmallCNN / VGGStyle on 1x28x28 images
             x = torch.randn(batch, 1, 28, 28, generator=g)
             y = torch.randint(0, 10, (batch,), generator=g)
         else:  # resnet18 / cnn-like image models: 3x32x32

@@ -90,7 +90,8 @@ from common import HOROVODRUN, run_command
 
 REPO = common.REPO_ROOT
 TRAIN = common.EXAMPLES_DIR / "train.py"
-DATASETS = ("fashion-mnist", "fashion-mnist-resnet", "shakespeare")
+DATASETS = ("fashion-mnist", "fashion-mnist-resnet", "fashion-mnist-vgg", "shakespeare")
+DEEP_MODELS = {"fashion-mnist-resnet": "resnet", "fashion-mnist-vgg": "vgg"}  # trained for --resnet-epochs
 DEFAULT_METHODS = ("dense", "adtopk", "adtopk_i", "topk", "dgc", "powersgd1", "powersgd4")
 DEFAULT_RATIOS = (0.01, 0.001)
 DEFAULT_SEEDS = (1, 2, 3)
@@ -129,7 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--np", type=int, default=None, help="ranks per run (default 2)")
     p.add_argument("--datasets", type=csv_list, default=None,
                    help="comma list of fashion-mnist (small CNN), fashion-mnist-resnet (ResNet-style CNN), "
-                        "shakespeare (default fashion-mnist,shakespeare)")
+                        "fashion-mnist-vgg (VGG-style, 2.1 M parameters), shakespeare (default "
+                        "fashion-mnist,shakespeare)")
     p.add_argument("--methods", type=csv_list, default=None,
                    help=f"comma list: dense, train.py compressors, powersgdR (default {','.join(DEFAULT_METHODS)}); "
                         "dense is always added as the baseline")
@@ -142,7 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="warm-up, sparse methods: train.py --density-warmup steps (default: one epoch, 469 at 2 ranks)")
     p.add_argument("--density-start", type=float, default=0.25, help="warm-up: train.py --density-start (default 0.25)")
     p.add_argument("--epochs", type=int, default=10, help="Fashion-MNIST small-CNN epochs (default 10)")
-    p.add_argument("--resnet-epochs", type=int, default=3, help="Fashion-MNIST ResNet-style epochs (default 3)")
+    p.add_argument("--resnet-epochs", type=int, default=3,
+                   help="epochs of the deeper Fashion-MNIST models, fashion-mnist-resnet / -vgg (default 3)")
     p.add_argument("--max-steps-fashion", type=int, default=None, help="train.py --max-steps for fashion-mnist runs")
     p.add_argument("--max-steps-shakespeare", type=int, default=None,
                    help="train.py --max-steps for shakespeare (default 2000)")
@@ -381,8 +384,8 @@ def train_argv_for(args, run: dict, spe: Optional[int]) -> List[str]:
     argv = ["--dataset", train_dataset(ds), "--compressor", compressor, "--seed", str(run["seed"]),
             "--metrics-out", str(args.out_dir / f"{name}.jsonl"), "--no-progress", "--log-every", "30",
             "--test-batch-size", str(args.test_batch_size)]
-    if ds == "fashion-mnist-resnet":
-        argv += ["--model", "resnet", "--epochs", str(args.resnet_epochs)]
+    if ds in DEEP_MODELS:
+        argv += ["--model", DEEP_MODELS[ds], "--epochs", str(args.resnet_epochs)]
     elif ds == "fashion-mnist":
         argv += ["--epochs", str(args.epochs)]
     if run["ratio"] is not None:
@@ -579,7 +582,7 @@ def load_step_times(args) -> dict:
 
 
 def step_model_for(args, dataset: str) -> str:
-    return args.step_model or {"fashion-mnist": "cnn", "fashion-mnist-resnet": "resnet18",
+    return args.step_model or {"fashion-mnist": "cnn", "fashion-mnist-resnet": "resnet18", "fashion-mnist-vgg": "vgg",
                                "shakespeare": "lstm"}[dataset]
 
 

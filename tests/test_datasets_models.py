@@ -202,6 +202,7 @@ def test_shakespeare_bad_arguments(tmp_path):
         ("mlp", {}, lambda: torch.randn(3, 2048), (3, 10)),
         ("mlp", {"sizes": (12, 8, 5)}, lambda: torch.randn(3, 3, 4), (3, 5)),
         ("resnet18", {}, lambda: torch.randn(2, 3, 32, 32), (2, 10)),
+        ("vgg", {}, lambda: torch.randn(3, 1, 28, 28), (3, 10)),
     ],
 )
 def test_model_forward_shapes(name, kwargs, make_input, out_shape):
@@ -218,6 +219,10 @@ def test_model_sizes():
     assert count_parameters(build_model("resnet")) < 300_000
     assert count_parameters(build_model("mlp")) == 25_214_986
     assert count_parameters(build_model("resnet18")) == 11_173_962
+    # 16*9 + 16*32*9 + 32*128*9 + 128*256*9 + 256*256*9 conv weights, their batch norms, fc 2304->512->10
+    convs = [(1, 16), (16, 32), (32, 128), (128, 256), (256, 256)]
+    expected = sum(i * o * 9 + 2 * o for i, o in convs) + 2304 * 512 + 512 + 512 * 10 + 10
+    assert count_parameters(build_model("vgg")) == expected == 2_113_018
 
 
 def test_build_model_errors():

@@ -55,7 +55,7 @@ class DatasetSpec:
 DATASETS: Dict[str, DatasetSpec] = {
     "fashion-mnist": DatasetSpec(
         load=lambda args: (*datasets.load_fashion_mnist(args.data_dir), None),
-        models=("cnn", "resnet"),
+        models=("cnn", "resnet", "vgg"),
         defaults={"batch_size": 64, "lr": 0.1, "clip_grad": 0.0},
         score=_score_classification,
         metric="test_accuracy", metric_label="test accuracy", metric_format=lambda v: f"{100 * v:.2f}%"),
