@@ -67,6 +67,7 @@ def test_warmup_flags_resolve(argv, expected):
     (["--compressor", "powersgd", "--momentum-correction"], "PowerSGD uses SGD momentum"),
     (["--compressor", "none", "--momentum-correction"], "needs a sparse compressor"),
     (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--engine", "ddp", "--overlap", "on"], "--overlap applies to --engine horovod"),
 ])
 def test_bad_flags_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

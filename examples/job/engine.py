@@ -93,7 +93,8 @@ class HorovodEngine:
         base = torch.optim.SGD(sgd_groups(model, sparse, args.momentum), lr=lr, momentum=args.momentum,
                                weight_decay=args.weight_decay)
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
-                                       backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds)
+                                       backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
+                                       overlap={"off": False, "on": True}.get(args.overlap, args.overlap))
         if correct:
             actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse"}
             if actual != sparse:

@@ -39,6 +39,9 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true",
                    help="no compression warm-up: the same as --dense-rounds 0 --density-warmup 0")
     p.add_argument("--powersgd-rank", type=int, default=1, help="rank of --compressor powersgd")
+    p.add_argument("--overlap", choices=("off", "on", "auto"), default="off",
+                   help="--engine horovod: run selection on a worker thread while the backward pass goes on "
+                        "(hat.DistributedOptimizer overlap=; auto: where the rank has a spare core)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     p.add_argument("--model", default=None,
-                   help="cnn or resnet for fashion-mnist, lstm for shakespeare (default: cnn / lstm)")
+                   help="cnn, resnet or vgg for fashion-mnist, lstm for shakespeare (default: cnn / lstm)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the installed data)")
     p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
                    help="horovod: hat.DistributedOptimizer under horovodrun/mpirun/srun; ddp: PyTorch "
@@ -153,6 +156,8 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--warmup-steps must be >= 0")
     if (args.dense_rounds or 0) < 0 or (args.density_warmup or 0) < 0:
         p.error("--dense-rounds and --density-warmup must be >= 0")
+    if args.overlap != "off" and args.engine != "horovod":
+        p.error("--overlap applies to --engine horovod (DDP runs its hook on its own schedule)")
 
 
 def is_sparse_rule(compressor: str) -> bool:
