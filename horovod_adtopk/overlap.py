@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, List, Optional
 
 from .exchange import Exchange
 
@@ -53,6 +53,7 @@ class Overlap:
 
     def __init__(self) -> None:
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: List[Future] = []  # submitted builds not yet seen done
         self.wait_seconds = 0.0  # main-thread time spent waiting for the worker in synchronize()
         self.submitted = 0
 
@@ -65,7 +66,10 @@ class Overlap:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hat-compress")
         self.submitted += 1
-        return DeferredExchange(self._pool.submit(build), params, self._waited, account)
+        self._pending = [f for f in self._pending if not f.done()]
+        future = self._pool.submit(build)
+        self._pending.append(future)
+        return DeferredExchange(future, params, self._waited, account)
 
     def _waited(self, seconds: float) -> None:
         self.wait_seconds += seconds
@@ -74,9 +78,10 @@ class Overlap:
         return {"enabled": True, "exchanges": self.submitted, "wait_seconds": self.wait_seconds}
 
     def drain(self) -> None:
-        """Wait until the worker is idle (before a round's exchanges are dropped: reset, load_state_dict)."""
-        if self._pool is not None:
-            self._pool.submit(lambda: None).result()
+        """Wait until every submitted build has ended (before a round's exchanges are dropped: reset,
+        load_state_dict); free when they all have, as after every ``synchronize()``."""
+        wait(self._pending)
+        self._pending = []
 
     def close(self) -> None:
         if self._pool is not None:
