@@ -89,6 +89,29 @@ def test_adtopk_i_alternates_with_global_topk():
     assert [c3.uses_adtopk(s) for s in range(6)] == [True, False, False, True, False, False]
 
 
+@pytest.mark.parametrize("rule", ["adtopk", "adtopk_i", "adtopk_t"])
+def test_adtopk_rules_follow_the_density_warmup_layout_at_every_round(rule):
+    """An LSTM weight [1024, 256] under "auto": at the target 0.01 its 256 columns keep 10 of 1024, but at
+    warm-up densities near 0.04 its rows keep 10 of 256 (same k, other axis). Every round's exact selection
+    must follow that round's own layout (numpy), and only the current layout's codec stays cached."""
+    torch.manual_seed(1)
+    kwargs = {"tau_min": 1, "tau_max": 1} if rule == "adtopk_t" else {}  # ADTopk-T: every round exact
+    c = Compression.get(rule, ratio=0.01, density_warmup=150, density_start=0.25, **kwargs)
+    a = torch.randn(1024, 256)
+    info = info_of(a, "lstm.weight_hh_l0")
+    axes = set()
+    for step in list(range(0, 150, 2)) + [150, 152, 400]:
+        r = c.ratio_at(step)
+        axes.add(ref.resolve_axis(1024, 256, "auto", r))
+        s = c.select(a, info, step)
+        want = ref.adtopk_mask(a.numpy(), r, "auto")
+        np.testing.assert_array_equal(np.isin(np.arange(a.numel()), s.flat.numpy()).reshape(a.shape), want,
+                                      err_msg=f"round {step}, density {r:.4f}")
+        assert len(c._codecs) == 1
+    assert axes == {0, 1}  # the case really changes axis
+    assert s.values.numel() == 256 * 10
+
+
 def test_adtopk_t_uses_fiber_thresholds_between_exact_steps():
     torch.manual_seed(0)
     c = Compression.adtopk_t(ratio=0.02, tau_min=2, tau_max=4, warmup=1)

@@ -118,10 +118,17 @@ def test_powersgd_rejects_bad_settings():
 
 def test_dense_warmup_then_density_warmup_match_reference():
     """warmup_steps=2: rounds 0-1 are plain averages (no memory); then ADTopk at the DGC-style density
-    ratio_t = max(ratio, start * (ratio / start) ** (t / density_warmup)) of round t."""
+    ratio_t = max(ratio, start * (ratio / start) ** (t / density_warmup)) of round t.
+
+    "tall" [64, 16] changes axis under "auto" with the same k: at round 2's density (0.194) its rows keep 3 of
+    16, at the target (0.05) its columns keep 3 of 64 (a codec cached by k alone reused the row layout)."""
     from tests import reference as ref
-    shapes = {"w": [32, 64], "b": [32]}
-    ratio, start, warm = 0.05, 0.5, 4
+    shapes = {"w": [32, 64], "tall": [64, 16], "b": [32]}
+    ratio, start, warm = 0.05, 0.75, 4
+    r2 = start * (ratio / start) ** (2 / warm)
+    ones = np.ones((64, 16))
+    assert ref.resolve_axis(64, 16, "auto", r2) == 1 and ref.adtopk_mask(ones, r2, "auto").sum() == 64 * 3
+    assert ref.resolve_axis(64, 16, "auto", ratio) == 0 and ref.adtopk_mask(ones, ratio, "auto").sum() == 16 * 3
     case = {"shapes": shapes, "dtype": "float64", "steps": 6, "compressor": "adtopk", "warmup_steps": 2,
             "kwargs": {"ratio": ratio, "min_numel": 0, "hybrid": False, "density_warmup": warm,
                        "density_start": start}}
@@ -129,20 +136,23 @@ def test_dense_warmup_then_density_warmup_match_reference():
     data = [np.load(outdir / f"case0_rank{r}.npz") for r in range(2)]
     residual = [{}, {}]
     for t in range(6):
-        g = [d[f"g/{t}/w"] for d in data]
-        if t < 2:
-            expected = (g[0] + g[1]) / 2
-        else:
-            r_t = max(ratio, start * (ratio / start) ** (t / warm)) if t < warm else ratio
-            total = np.zeros_like(g[0])
-            for i in range(2):
-                a = g[i] + residual[i].get("w", 0)
-                sent = np.where(ref.adtopk_mask(a, r_t, "auto"), a, 0.0)
-                residual[i]["w"] = a - sent
-                total = total + sent
-            expected = total / 2
+        for name in ("w", "tall"):
+            g = [d[f"g/{t}/{name}"] for d in data]
+            if t < 2:
+                expected = (g[0] + g[1]) / 2
+            else:
+                r_t = max(ratio, start * (ratio / start) ** (t / warm)) if t < warm else ratio
+                total = np.zeros_like(g[0])
+                for i in range(2):
+                    a = g[i] + residual[i].get(name, 0)
+                    sent = np.where(ref.adtopk_mask(a, r_t, "auto"), a, 0.0)
+                    residual[i][name] = a - sent
+                    total = total + sent
+                expected = total / 2
+            for d in data:
+                np.testing.assert_allclose(d[f"out/{t}/{name}"], expected, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{name}, round {t}")
         for d in data:
-            np.testing.assert_allclose(d[f"out/{t}/w"], expected, rtol=1e-12, atol=1e-12, err_msg=f"round {t}")
             np.testing.assert_allclose(d[f"out/{t}/b"], (data[0][f"g/{t}/b"] + data[1][f"g/{t}/b"]) / 2, rtol=1e-12)
     # densities really decreased: round 2 sent more than round 5
     assert summary["tensors"]["w"]["density"] > ratio

@@ -26,7 +26,8 @@ class ADTopkCompressor(SparseCompressor):
         super().__init__(ratio, **kwargs)
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
-        self._codecs: Dict[Tuple[str, int], FiberCodec] = {}
+        # keyed by the whole layout: during a density warm-up "auto" can pick a different axis with the same k
+        self._codecs: Dict[Tuple[str, sel.FiberLayout], FiberCodec] = {}
 
     def extra_config(self) -> dict:
         return {"axis": self.axis}
@@ -36,9 +37,13 @@ class ADTopkCompressor(SparseCompressor):
 
     def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
         layout = self.layout(info, None if step is None else self.ratio_at(step))
-        key = (info.name, layout.k)
+        key = (info.name, layout)
         c = self._codecs.get(key)
-        if c is None or c.layout.shape != info.shape:
+        if c is None:
+            # a new layout of the same tensor (the warm-up moved on) retires the old one and its index bases;
+            # selections already made keep their own codec for decoding
+            for old in [o for o in list(self._codecs) if o[0] == info.name and o[1].shape == layout.shape]:
+                self._codecs.pop(old, None)
             c = self._codecs[key] = FiberCodec(layout)
         return c
 
@@ -144,7 +149,7 @@ class ADTopkTCompressor(ADTopkCompressor):
         codec = self.codec(info, step)
         st = self._state.get(info.name)
         exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"] or \
-            st["theta"].numel() != codec.layout.num_fibers
+            st["theta"].numel() != codec.layout.num_fibers or st.get("axis", codec.layout.axis) != codec.layout.axis
         if not exact:
             st["since"] += 1
             lay = codec.layout
@@ -155,21 +160,23 @@ class ADTopkTCompressor(ADTopkCompressor):
         values = s.values.view(codec.layout.num_fibers, -1)
         theta = values.abs().amin(dim=1).detach().to(torch.float64)
         theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
-        if st is None or st["theta"].numel() != theta.numel():
-            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta}
+        if st is None or st["theta"].numel() != theta.numel() or st.get("axis", codec.layout.axis) != codec.layout.axis:
+            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta, "axis": codec.layout.axis}
         else:
             old = st["theta"].to(theta.device)
             delta = float(((theta - old).abs() / old.clamp_min(1e-30)).median())
             st["tau"] = min(st["tau"] + 1, self.tau_max) if delta < self.tolerance else max(st["tau"] - 1, self.tau_min)
-            st["theta"], st["since"] = theta, 0
+            st["theta"], st["since"], st["axis"] = theta, 0, codec.layout.axis
         return _flat_selection(s.values, s.flat, info.numel, None)
 
     def state_dict(self) -> dict:
-        return {name: {"tau": s["tau"], "since": s["since"], "theta": s["theta"].cpu().clone()}
+        return {name: {"tau": s["tau"], "since": s["since"], "theta": s["theta"].cpu().clone(),
+                       **({"axis": s["axis"]} if "axis" in s else {})}
                 for name, s in self._state.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._state = {name: {"tau": int(s["tau"]), "since": int(s["since"]), "theta": s["theta"].clone()}
+        self._state = {name: {"tau": int(s["tau"]), "since": int(s["since"]), "theta": s["theta"].clone(),
+                              **({"axis": int(s["axis"])} if "axis" in s else {})}
                        for name, s in state.items()}
 
     def reset_state(self) -> None:
