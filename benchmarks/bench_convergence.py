@@ -889,7 +889,7 @@ def make_plots(args, groups: List[dict], plot_dir: Path) -> List[str]:
             if len(sel) < 2 and ratio is not None:
                 continue
             fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-            for g in sel:
+            for gi, g in enumerate(sel):  # one colour per method in all three panels (a panel may skip one)
                 c = [p for p in g["curve"] if p["mean"] is not None]
                 if not c:
                     continue
@@ -901,9 +901,10 @@ def make_plots(args, groups: List[dict], plot_dir: Path) -> List[str]:
                 for ax, (name, x) in zip(axes, xs):
                     if any(v is None for v in x):
                         continue
-                    line, = ax.plot(x, y, style, marker=".", label=f"{g['label']} (n={g['n']})")
+                    color = f"C{gi % 10}"
+                    ax.plot(x, y, style, marker=".", color=color, label=f"{g['label']} (n={g['n']})")
                     ax.fill_between(x, [a - b for a, b in zip(y, s)], [a + b for a, b in zip(y, s)],
-                                    color=line.get_color(), alpha=0.15)
+                                    color=color, alpha=0.15)
             ylabel = "test accuracy (%)" if gs[0]["metric"] == "test_accuracy" else "test perplexity"
             for ax, xl in zip(axes, ("epochs", "bytes sent, all ranks (MB, log)",
                                      f"modelled wall time on {args.step_rate} (s)")):
