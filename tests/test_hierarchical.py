@@ -16,7 +16,9 @@ from tests import reference as ref
 from tests.harness import launch, RanksFailed
 
 TWO_BY_TWO = ["-H", "localhost:2,127.0.0.1:2"]
-DYNAMIC = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+# 4 ranks on a 2-core machine: one rank can be off-CPU for longer than Gloo's default 30 s collective timeout
+# (seen once in a full run); run_job's own timeout still kills a real hang
+DYNAMIC = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
 HOSTS, LOCAL = 2, 2
 SHAPES = {
     "linear.weight": [33, 48],   # 33 rows: blocks of 17 and 16 fibers (axis 1)
