@@ -26,8 +26,9 @@ class ADTopkCompressor(SparseCompressor):
         super().__init__(ratio, **kwargs)
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
-        # keyed by the whole layout: during a density warm-up "auto" can pick a different axis with the same k
-        self._codecs: Dict[Tuple[str, sel.FiberLayout], FiberCodec] = {}
+        # one codec per tensor (name, shape), replaced when the layout changes: during a density warm-up "auto"
+        # can pick another axis with the same k, so the whole layout is compared, not k alone
+        self._codecs: Dict[Tuple[str, Tuple[int, ...]], FiberCodec] = {}
 
     def extra_config(self) -> dict:
         return {"axis": self.axis}
@@ -37,13 +38,9 @@ class ADTopkCompressor(SparseCompressor):
 
     def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
         layout = self.layout(info, None if step is None else self.ratio_at(step))
-        key = (info.name, layout)
+        key = (info.name, layout.shape)
         c = self._codecs.get(key)
-        if c is None:
-            # a new layout of the same tensor (the warm-up moved on) retires the old one and its index bases;
-            # selections already made keep their own codec for decoding
-            for old in [o for o in list(self._codecs) if o[0] == info.name and o[1].shape == layout.shape]:
-                self._codecs.pop(old, None)
+        if c is None or c.layout != layout:  # selections already made keep their own codec for decoding
             c = self._codecs[key] = FiberCodec(layout)
         return c
 
@@ -148,25 +145,25 @@ class ADTopkTCompressor(ADTopkCompressor):
     def _select(self, a: torch.Tensor, info: TensorInfo, step: int) -> Selection:
         codec = self.codec(info, step)
         st = self._state.get(info.name)
-        exact = st is None or step < self.warmup or st["since"] + 1 >= st["tau"] or \
-            st["theta"].numel() != codec.layout.num_fibers or st.get("axis", codec.layout.axis) != codec.layout.axis
+        lay = codec.layout
+        stale = st is None or st["theta"].numel() != lay.num_fibers or st.get("axis", lay.axis) != lay.axis
+        exact = stale or step < self.warmup or st["since"] + 1 >= st["tau"]
         if not exact:
             st["since"] += 1
-            lay = codec.layout
             values, flat = kernels.fiber_threshold_select(_contiguous(a), lay.rows, lay.cols, lay.axis,
                                                           st["theta"].to(a.device))
             return _flat_selection(values, flat, info.numel, None)
         s = self._fiber_topk(a, codec)
-        values = s.values.view(codec.layout.num_fibers, -1)
+        values = s.values.view(lay.num_fibers, -1)
         theta = values.abs().amin(dim=1).detach().to(torch.float64)
         theta = torch.nan_to_num(theta, nan=0.0, posinf=0.0)
-        if st is None or st["theta"].numel() != theta.numel() or st.get("axis", codec.layout.axis) != codec.layout.axis:
-            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta, "axis": codec.layout.axis}
+        if stale:
+            st = self._state[info.name] = {"tau": self.tau_min, "since": 0, "theta": theta, "axis": lay.axis}
         else:
             old = st["theta"].to(theta.device)
             delta = float(((theta - old).abs() / old.clamp_min(1e-30)).median())
             st["tau"] = min(st["tau"] + 1, self.tau_max) if delta < self.tolerance else max(st["tau"] - 1, self.tau_min)
-            st["theta"], st["since"], st["axis"] = theta, 0, codec.layout.axis
+            st["theta"], st["since"], st["axis"] = theta, 0, lay.axis
         return _flat_selection(s.values, s.flat, info.numel, None)
 
     def state_dict(self) -> dict:
