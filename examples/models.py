@@ -7,6 +7,8 @@ Trainable models (plain PyTorch, no Horovod):
 - :class:`CharLSTM`: embedding -> LSTM -> linear, a character-level language model.
 - :class:`MLP`: Linear+ReLU stack; ~25M parameters with its defaults, for communication benchmarks.
 - :class:`ResNet18Style`: the ResNet-18 layout (4 stages x 2 basic blocks, 64..512) for 32x32 inputs.
+- :class:`GPT`: a GPT-style causal transformer (pre-LayerNorm blocks, fused qkv, GELU MLP, learned positions,
+  optional tied embedding/head), a character-level language model.
 
 :func:`build_model` makes any of them by name.
 
@@ -18,6 +20,7 @@ from ``transformers`` (``BertModel(BertConfig())``).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,6 +34,7 @@ __all__ = [
     "CharLSTM",
     "MLP",
     "ResNet18Style",
+    "GPT",
     "MODEL_NAMES",
     "build_model",
     "ResNet50",
@@ -229,6 +233,87 @@ class VGGStyle(nn.Module):
         return self.fc2(F.relu(self.fc1(torch.flatten(self.features(x), 1))))
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused ``qkv`` projection ``[3D, D]``, attention through
+    ``F.scaled_dot_product_attention(is_causal=True)``, an output projection ``proj`` ``[D, D]``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"the model width ({dim}) must be a multiple of the number of heads ({heads})")
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D/H]
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))`` with a GELU MLP ``D -> 4D -> D``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """GPT-style causal language model for token ids ``[B, T]`` (``T <= context``) -> logits ``[B, T, V]``.
+
+    Token embedding ``tok_emb`` ``[V, D]``, learned positions ``pos_emb`` ``[context, D]``, ``layers`` pre-LayerNorm
+    blocks (:class:`TransformerBlock`: ``attn.qkv`` ``[3D, D]``, ``attn.proj`` ``[D, D]``, ``fc`` ``[4D, D]``,
+    ``proj`` ``[D, 4D]``), a final LayerNorm and the head ``[V, D]``. With ``tie_weights`` the head is the token
+    embedding (one parameter reached twice in the forward pass; its gradient is the sum of both uses, and it is
+    listed once in ``named_parameters()``, as ``tok_emb.weight``). Weights start as in GPT-2: normal(0, 0.02),
+    the residual projections scaled by ``1/sqrt(2 layers)``, biases zero.
+
+    The defaults (width 128, 4 heads, 5 layers, context 128) give 1,016,320 parameters with a 65-character
+    vocabulary and the tied head.
+    """
+
+    def __init__(self, vocab_size: int, dim: int = 128, heads: int = 4, layers: int = 5, context: int = 128,
+                 tie_weights: bool = True) -> None:
+        super().__init__()
+        if vocab_size < 1 or dim < 1 or heads < 1 or layers < 1 or context < 1:
+            raise ValueError(f"GPT sizes must be positive: vocab_size={vocab_size}, dim={dim}, heads={heads}, "
+                             f"layers={layers}, context={context}")
+        self.vocab_size, self.context = vocab_size, context
+        self.tok_emb = nn.Embedding(vocab_size, dim)
+        self.pos_emb = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        if tie_weights:
+            self.head.weight = self.tok_emb.weight
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() > 1:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        if t > self.context:
+            raise ValueError(f"sequence length {t} exceeds the model's context {self.context}; use --seq-len <= "
+                             f"--context")
+        h = self.tok_emb(x) + self.pos_emb(torch.arange(t, device=x.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
 _MODELS: Dict[str, Callable[..., nn.Module]] = {
     "cnn": SmallCNN,
     "resnet": ResNetCNN,
@@ -236,6 +321,7 @@ _MODELS: Dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
     "resnet18": ResNet18Style,
     "vgg": VGGStyle,
+    "gpt": GPT,
 }
 MODEL_NAMES: Tuple[str, ...] = tuple(_MODELS)
 
@@ -243,7 +329,7 @@ MODEL_NAMES: Tuple[str, ...] = tuple(_MODELS)
 def build_model(name: str, **kwargs) -> nn.Module:
     """Build a model by name: "cnn" (:class:`SmallCNN`), "resnet" (:class:`ResNetCNN`), "lstm"
     (:class:`CharLSTM`, needs ``vocab_size=``), "mlp" (:class:`MLP`), "resnet18" (:class:`ResNet18Style`), "vgg"
-    (:class:`VGGStyle`).
+    (:class:`VGGStyle`), "gpt" (:class:`GPT`, needs ``vocab_size=``).
 
     Keyword arguments go to the model's constructor.
 

@@ -203,6 +203,8 @@ def test_shakespeare_bad_arguments(tmp_path):
         ("mlp", {"sizes": (12, 8, 5)}, lambda: torch.randn(3, 3, 4), (3, 5)),
         ("resnet18", {}, lambda: torch.randn(2, 3, 32, 32), (2, 10)),
         ("vgg", {}, lambda: torch.randn(3, 1, 28, 28), (3, 10)),
+        ("gpt", {"vocab_size": 37, "dim": 32, "layers": 2, "context": 16}, lambda: torch.randint(0, 37, (3, 11)),
+         (3, 11, 37)),
     ],
 )
 def test_model_forward_shapes(name, kwargs, make_input, out_shape):
@@ -248,3 +250,57 @@ def test_real_layouts_known_shapes():
     assert r["conv1.weight"] == (64, 3, 7, 7) and r["fc.weight"] == (1000, 2048)
     assert r["layer4.0.downsample.0.weight"] == (2048, 1024, 1, 1)
     assert v["classifier.0.weight"] == (4096, 25088) and len(v) == 32
+
+
+# ------------------------------------------------------------------------------------------ GPT
+
+
+def _gpt_expected_parameters(vocab: int, dim: int, layers: int, context: int, tied: bool) -> int:
+    """Counted by hand: embeddings, per block 2 LayerNorms, qkv, proj, the MLP (all with biases), the final
+    LayerNorm and the bias-free head (shared with the token embedding when tied)."""
+    block = 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + (4 * dim * dim + 4 * dim) + (4 * dim * dim + dim)
+    return vocab * dim + context * dim + layers * block + 2 * dim + (0 if tied else vocab * dim)
+
+
+def test_gpt_size_and_transformer_shapes():
+    model = build_model("gpt", vocab_size=65)
+    assert count_parameters(model) == _gpt_expected_parameters(65, 128, 5, 128, True) == 1_016_320
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["blocks.0.attn.qkv.weight"] == (384, 128) and shapes["blocks.0.attn.proj.weight"] == (128, 128)
+    assert shapes["blocks.0.fc.weight"] == (512, 128) and shapes["blocks.0.proj.weight"] == (128, 512)
+    assert shapes["tok_emb.weight"] == (65, 128) and shapes["pos_emb.weight"] == (128, 128)
+    assert shapes["blocks.4.ln2.weight"] == (128,)
+    untied = build_model("gpt", vocab_size=65, dim=32, layers=2, context=16, tie_weights=False)
+    assert count_parameters(untied) == _gpt_expected_parameters(65, 32, 2, 16, False)
+
+
+def test_gpt_tied_head_is_one_parameter_with_the_summed_gradient():
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=11, dim=16, layers=1, heads=2, context=8)
+    names = [n for n, _ in model.named_parameters()]
+    assert "head.weight" not in names and names.count("tok_emb.weight") == 1
+    assert model.head.weight is model.tok_emb.weight
+    x = torch.randint(0, 11, (2, 8))
+    model(x).square().mean().backward()
+    tied = model.tok_emb.weight.grad.clone()
+    # the same computation with the two uses separated: the tied gradient is the sum of both
+    untied = build_model("gpt", vocab_size=11, dim=16, layers=1, heads=2, context=8, tie_weights=False)
+    untied.load_state_dict({**model.state_dict(), "head.weight": model.tok_emb.weight.detach().clone()})
+    untied(x).square().mean().backward()
+    torch.testing.assert_close(tied, untied.tok_emb.weight.grad + untied.head.weight.grad)
+
+
+def test_gpt_is_causal_and_checks_its_context():
+    torch.manual_seed(0)
+    model = build_model("gpt", vocab_size=13, dim=16, layers=2, heads=4, context=10).eval()
+    x = torch.randint(0, 13, (1, 10))
+    y = x.clone()
+    y[0, 6:] = (y[0, 6:] + 1) % 13  # change the future only
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :6], b[:, :6])
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, 11, dtype=torch.int64))
+    with pytest.raises(ValueError, match="multiple of the number of heads"):
+        build_model("gpt", vocab_size=13, dim=18, heads=4)

@@ -308,6 +308,23 @@ def test_train_engine_ddp_resumes_bitwise(tmp_path):
     assert fa["density"] < 0.05
 
 
+def test_train_engine_ddp_gpt_adamw_resumes_bitwise(tmp_path):
+    """The transformer job (AdamW, bf16 autocast, tied head) on the DDP engine: compressed, and a resume in the
+    middle ends where an uninterrupted run does."""
+    from tests.test_train import TINY_GPT, tiny_corpus
+    common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
+              "--ratio", "0.05"]
+    _torchrun_train([*common, "--max-steps", 7, "--checkpoint-dir", tmp_path / "a", "--metrics-out", tmp_path / "a.jsonl"])
+    _torchrun_train([*common, "--max-steps", 4, "--checkpoint-dir", tmp_path / "b", "--metrics-out", tmp_path / "b.jsonl"])
+    out = _torchrun_train([*common, "--max-steps", 7, "--checkpoint-dir", tmp_path / "b", "--resume",
+                           "--metrics-out", tmp_path / "b.jsonl"])
+    assert "resumed from" in out and "at step 4" in out and "adamw lr 0.002 (not scaled)" in out
+    fa, fb = _final(tmp_path / "a.jsonl"), _final(tmp_path / "b.jsonl")
+    for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
+        assert fa[key] == fb[key], (key, fa[key], fb[key])
+    assert fa["density"] < 0.5
+
+
 def test_train_engine_ddp_powersgd_is_pytorchs_hook(tmp_path):
     out = _torchrun_train(["--dataset", "fashion-mnist", "--compressor", "powersgd", "--max-steps", 3])
     assert "Final test accuracy" in out and "less)" in out, out[-4000:]

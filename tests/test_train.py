@@ -217,13 +217,39 @@ def test_resume_is_bitwise_exact_fashion_mnist(tmp_path):
                                                                                        "ckpt-step8.pt"]
 
 
+def tiny_corpus(folder: Path) -> Path:
+    """A 4.7k-character text folder (277 training windows of 16): 5 steps per epoch at batch 32 on 2 ranks."""
+    folder.mkdir()
+    line = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
+    (folder / "play.txt").write_text(line * 60)
+    return folder
+
+
+# A GPT small enough for a test (2 blocks of width 16: fc [64, 16] and proj [16, 64] reach --min-numel 256),
+# trained as the transformer job is: AdamW, clipping, the tied head, bfloat16 autocast.
+TINY_GPT = ["--dataset", "shakespeare", "--model", "gpt", "--gpt-dim", 16, "--gpt-layers", 2, "--gpt-heads", 2,
+            "--seq-len", 16, "--batch-size", 32, "--bf16", "--min-numel", 256, "--test-batches", 1, "--no-warmup"]
+
+
+def test_gpt_adamw_resume_is_bitwise_exact(tmp_path):
+    """The transformer job on the Horovod engine: AdamW's moments, every rank's residuals and the tied
+    embedding/head continue bit for bit after a resume; the MLP weights travel sparse."""
+    common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
+              "--ratio", "0.05"]
+    a_dir, _ = _run_resume_case(tmp_path, common, total=7, first=4)
+    a = load_ckpt(latest(a_dir / "ckpt"))
+    assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(a["optimizer"]["state"].values())))
+    residuals = rank_states(a)[0]["memory"]["residuals"]
+    assert {"blocks.0.fc.weight", "blocks.1.proj.weight"} <= set(residuals)
+    assert "head.weight" not in a["model"] or torch.equal(a["model"]["head.weight"], a["model"]["tok_emb.weight"])
+    final = final_row(a_dir / "m.jsonl")
+    assert final["model"] == "gpt" and final["density"] < 0.5 and final["test_perplexity"] > 1.0
+
+
 def test_resume_is_bitwise_exact_across_epochs(tmp_path):
     # A tiny text corpus: 5 steps per epoch, so the runs cross two epoch boundaries (sampler epochs, skipped
     # batches after the resume in the middle of epoch 2).
-    text_dir = tmp_path / "text"
-    text_dir.mkdir()
-    line = "Now is the winter of our discontent made glorious summer by this sun of York.\n"
-    (text_dir / "play.txt").write_text(line * 60)  # 4.7k characters: 277 training windows
+    text_dir = tiny_corpus(tmp_path / "text")
     common = ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
               "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 3, "--compressor", "adtopk", "--ratio", "0.05",
               "--test-batches", 1, "--no-warmup"]

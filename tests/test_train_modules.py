@@ -320,3 +320,53 @@ def test_channel_stats_against_numpy(tmp_path):
         assert got["steady_channel_share"] == pytest.approx(np.mean(share[1:]))
         assert got["steady_min_channel_share"] == pytest.approx(min(share[1:]))
     assert out["layers"]["0.weight"]["path"] == "sparse" and out["layers"]["2.weight"]["path"] is None
+
+
+# --------------------------------------------------------------------------------------------------------
+# the transformer job: AdamW defaults, parameter groups, the unscaled schedule
+# --------------------------------------------------------------------------------------------------------
+
+def test_gpt_defaults_to_adamw_without_momentum_correction():
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt"])
+    assert (args.optimizer, args.lr, args.weight_decay, args.clip_grad, args.seq_len) == ("adamw", 2e-3, 0.1, 1.0, 128)
+    assert args.momentum_correction is False and args.betas == (0.9, 0.95)
+    assert (args.dense_rounds, args.density_warmup) == (50, 150)  # the sparse warm-up still applies
+    lstm = options.parse_args(["--dataset", "shakespeare"])
+    assert (lstm.optimizer, lstm.lr, lstm.weight_decay, lstm.seq_len, lstm.momentum_correction) == \
+        ("sgd", 0.5, 0.0, 64, True)
+    sgd_gpt = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--optimizer", "sgd", "--lr", "0.3"])
+    assert sgd_gpt.momentum_correction is True and sgd_gpt.lr == 0.3
+    assert "AdamW betas 0.9/0.95" in options.describe_compression(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt", "--momentum-correction"], "AdamW keeps its moments"),
+    (["--model", "gpt", "--gpt-dim", "30"], "must divide --gpt-dim"),
+    (["--model", "gpt", "--betas", "0.9", "1.0"], "--betas must lie in"),
+    (["--model", "lstm", "--optimizer", "adam"], "invalid choice"),
+])
+def test_bad_transformer_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        options.parse_args(["--dataset", "shakespeare", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_adamw_groups_decay_matrices_only():
+    model = data.make_model(options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--gpt-layers", "1",
+                                                "--gpt-dim", "16"]), vocab_size=7)
+    groups = engine.adamw_groups(model, 0.1)
+    decayed = {id(p) for p in groups[0]["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (p.dim() >= 2), name
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt"])
+    opt = engine.base_optimizer(model, args, 1e-3, set())
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.9, 0.95)
+
+
+def test_lr_factor_unscaled_warmup_for_adamw():
+    f = [build.lr_factor(s, world=4, warmup=10, kind="constant", horizon=100, scaled=False) for s in range(12)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[11] == 1.0
+    assert all(b > a for a, b in zip(f[:10], f[1:10]))
+    cos = build.lr_factor(50, world=4, warmup=10, kind="cosine", horizon=100, scaled=False)
+    assert cos == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))

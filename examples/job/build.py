@@ -19,14 +19,21 @@ from .resume import RESUME_KEYS
 from .state import Job
 
 
-def lr_factor(step: int, world: int, warmup: int, kind: str, horizon: int) -> float:
-    """Multiplier of the peak rate ``lr * world`` at optimizer step ``step`` (a pure function of the step).
+def lr_factor(step: int, world: int, warmup: int, kind: str, horizon: int, scaled: bool = True) -> float:
+    """Multiplier of the peak rate at optimizer step ``step`` (a pure function of the step).
 
-    Linear warm-up from ``lr`` to ``lr * world`` over ``warmup`` steps (Goyal et al., as in Horovod's
-    examples), times 1 (``constant``) or ``0.5 (1 + cos(pi step / horizon))`` (``cosine``, annealing to 0 at
-    the end of ``--epochs``).
+    ``scaled`` (SGD): the peak is ``lr * world``, reached by a linear warm-up from ``lr`` over ``warmup`` steps
+    (Goyal et al., as in Horovod's examples). Not ``scaled`` (AdamW, whose update size does not grow with the
+    batch the way SGD's does): the peak is ``lr``, reached linearly from ``lr / warmup``. Either way times 1
+    (``constant``) or ``0.5 (1 + cos(pi step / horizon))`` (``cosine``, annealing to 0 at the end of
+    ``--epochs``).
     """
-    factor = 1.0 if warmup <= 0 or step >= warmup else (1.0 + (world - 1) * step / warmup) / world
+    if warmup <= 0 or step >= warmup:
+        factor = 1.0
+    elif scaled:
+        factor = (1.0 + (world - 1) * step / warmup) / world
+    else:
+        factor = (step + 1) / warmup
     if kind == "cosine":
         factor *= 0.5 * (1.0 + math.cos(math.pi * min(step, horizon) / horizon))
     return factor
@@ -75,8 +82,9 @@ def setup(args: argparse.Namespace, process_start: float) -> Job:
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     warmup = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
     horizon = args.epochs * steps_per_epoch
-    opt = engine.make_optimizer(model, args, args.lr * world)
-    schedule = dict(world=world, warmup=warmup, kind=args.lr_schedule, horizon=horizon)
+    scaled = args.optimizer == "sgd"  # AdamW's peak rate is not scaled by the number of ranks
+    opt = engine.make_optimizer(model, args, args.lr * world if scaled else args.lr)
+    schedule = dict(world=world, warmup=warmup, kind=args.lr_schedule, horizon=horizon, scaled=scaled)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, **schedule))
 
     config = {k: getattr(args, k) for k in RESUME_KEYS

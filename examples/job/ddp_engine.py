@@ -20,13 +20,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
 
-from .engine import make_compression, sgd_groups, sparse_parameter_names
+from .engine import base_optimizer, make_compression, sparse_parameter_names
 
 HOOK_STATE_KEY = "horovod_adtopk_ddp"
 
 
-class HookedSGD(torch.optim.SGD):
-    """SGD that checkpoints the DDP hook's state with its own and reports the hook's counters."""
+class _Hooked:
+    """Mixin for an optimizer class: checkpoints the DDP hook's state with its own and reports the hook's
+    counters (``HookedSGD``, ``HookedAdamW``)."""
 
     hook_state = None  # a hat.ddp.CompressionState, or None (plain DDP, PyTorch's PowerSGD)
     numel = 0  # parameters (for the counters without our hook)
@@ -37,6 +38,10 @@ class HookedSGD(torch.optim.SGD):
     def step(self, closure=None):
         self.steps += 1
         return super().step(closure)
+
+    def base_state_dict(self) -> dict:
+        """The wrapped optimizer's own state, without the hook's."""
+        return super().state_dict()
 
     def state_dict(self):
         sd = super().state_dict()
@@ -59,6 +64,14 @@ class HookedSGD(torch.optim.SGD):
         elements = self.steps * self.numel
         return {"bytes_sent": sent, "bytes_dense": 4 * elements, "elements_sent": sent // 4,
                 "elements_total": elements, "density": sent / (4 * elements) if elements else 0.0, "tensors": {}}
+
+
+class HookedSGD(_Hooked, torch.optim.SGD):
+    """SGD with the DDP hook's state in its checkpoints and the hook's counters in ``stats()``."""
+
+
+class HookedAdamW(_Hooked, torch.optim.AdamW):
+    """AdamW with the DDP hook's state in its checkpoints and the hook's counters in ``stats()``."""
 
 
 def powersgd_step_bytes(model: torch.nn.Module, rank: int, min_rate: float = 2.0) -> int:
@@ -103,13 +116,12 @@ class DDPEngine:
         return DDP(model, device_ids=[model_device(model)] if self.cuda else None)
 
     def make_optimizer(self, model: DDP, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
-        """SGD (momentum correction as the Horovod engine) and the communication hook the flags name."""
+        """SGD (momentum correction as the Horovod engine) or AdamW, and the communication hook the flags name."""
         world = self.size
         compression = None if args.compressor == "powersgd" else make_compression(args)
         correct = args.momentum_correction and world > 1
         sparse = sparse_parameter_names(model.module, compression, world) if correct else set()
-        groups = sgd_groups(model.module, sparse, args.momentum)
-        opt = HookedSGD(groups, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        opt = base_optimizer(model.module, args, lr, sparse, sgd=HookedSGD, adamw=HookedAdamW)
         opt.numel = sum(p.numel() for p in model.parameters())
         opt.step_bytes = 4 * opt.numel
         if args.compressor == "powersgd":
@@ -135,7 +147,7 @@ class DDPEngine:
 
     def checkpoint_state(self, opt: torch.optim.Optimizer) -> dict:
         """Collective: the optimizer state with every rank's hook state (for rank 0 to save)."""
-        sd = torch.optim.SGD.state_dict(opt)
+        sd = opt.base_state_dict()
         if opt.hook_state is not None:
             sd[HOOK_STATE_KEY] = opt.hook_state.gather_state_dict()
         return sd

@@ -49,6 +49,26 @@ def sgd_groups(model: torch.nn.Module, sparse: Set[str], momentum: float) -> Lis
     return [g for g in groups if g["params"]]
 
 
+def adamw_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
+    """AdamW parameter groups: decoupled weight decay on the weight matrices and embeddings (2-D and up), none
+    on biases and LayerNorm gains (1-D), as GPT-2 and most transformer recipes do."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def base_optimizer(model: torch.nn.Module, args: argparse.Namespace, lr: float, sparse: Set[str],
+                   sgd=torch.optim.SGD, adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
+    """The optimizer ``--optimizer`` names, before any wrapping: SGD (``sgd_groups``: momentum correction moves
+    the sparse-path tensors' momentum into the error-feedback memory) or AdamW (``adamw_groups``). ``sgd`` and
+    ``adamw`` are the classes to build (the DDP engine passes subclasses that carry its hook state)."""
+    if args.optimizer == "adamw":
+        return adamw(adamw_groups(model, args.weight_decay), lr=lr, betas=tuple(args.betas))
+    return sgd(sgd_groups(model, sparse, args.momentum), lr=lr, momentum=args.momentum,
+               weight_decay=args.weight_decay)
+
+
 def init_horovod() -> str:
     """``hvd.init()`` under horovodrun (or alone); over ``MPI.COMM_WORLD`` under mpirun / srun."""
     if not any(v in os.environ for v in HOROVODRUN_VARS) and any(v in os.environ for v in MPI_LAUNCHER_VARS):
@@ -84,14 +104,13 @@ class HorovodEngine:
         return model
 
     def make_optimizer(self, model: torch.nn.Module, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
-        """SGD wrapped in hat.DistributedOptimizer. With momentum correction the sparse-path parameters get
-        SGD without momentum and the dense-path ones (biases, small layers) keep ordinary SGD momentum."""
+        """SGD or AdamW wrapped in hat.DistributedOptimizer. With momentum correction (SGD only) the sparse-path
+        parameters get SGD without momentum and the dense-path ones (biases, small layers) keep SGD momentum."""
         world, compression = self.size, make_compression(args)
         # One process: nothing is communicated, so nothing is compressed; plain SGD momentum everywhere.
         correct = args.momentum_correction and world > 1
         sparse = sparse_parameter_names(model, compression, world) if correct else set()
-        base = torch.optim.SGD(sgd_groups(model, sparse, args.momentum), lr=lr, momentum=args.momentum,
-                               weight_decay=args.weight_decay)
+        base = base_optimizer(model, args, lr, sparse)
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
                                        overlap={"off": False, "on": True}.get(args.overlap, args.overlap))

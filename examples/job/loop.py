@@ -19,6 +19,14 @@ from .resume import save_checkpoint
 from .state import Job, Progress, counter_totals
 
 
+def forward(job: Job, x: torch.Tensor) -> torch.Tensor:
+    """The model's logits for ``x``, under bfloat16 autocast with ``--bf16`` (the logits come back as float32, so
+    the loss is computed in float32)."""
+    with torch.autocast(job.device.type, dtype=torch.bfloat16, enabled=bool(job.args.bf16)):
+        logits = job.model(x)
+    return logits.float()
+
+
 @torch.no_grad()
 def evaluate(job: Job) -> Dict[str, float]:
     """Collective: each rank scores its share (rank::world) of the test set; sums are allreduced."""
@@ -33,7 +41,7 @@ def evaluate(job: Job) -> Dict[str, float]:
     for b in range(n_batches):
         idx = mine[b * args.test_batch_size:(b + 1) * args.test_batch_size]
         x, y = x_all[idx].to(job.device), y_all[idx].to(job.device)
-        logits = model(x)
+        logits = forward(job, x)
         loss_sum += float(compute_loss(logits, y, reduction="sum"))
         correct += float((logits.argmax(dim=-1) == y).sum())
         count += y.numel()
@@ -75,7 +83,7 @@ def record(job: Job, progress: Progress, final: bool) -> dict:
 def train_step(job: Job, x: torch.Tensor, y: torch.Tensor) -> float:
     """One optimizer step on the batch ``(x, y)``; returns this rank's loss."""
     job.opt.zero_grad()
-    loss = compute_loss(job.model(x), y)
+    loss = compute_loss(forward(job, x), y)
     loss.backward()
     job.engine.step(job.model, job.opt, job.args.clip_grad)
     job.scheduler.step()
@@ -156,8 +164,10 @@ def describe_run(job: Job) -> list:
     """The effective settings, as rank 0 prints them at start (two lines: the run, the compression)."""
     args, engine = job.args, job.engine
     return [f"{args.dataset}/{args.model}: {job.world} rank(s) ({engine.init_mode} init, {job.device.type}), "
-            f"batch {args.batch_size}/rank, lr {args.lr} x {job.world} (warm-up {job.warmup} steps, "
-            f"{args.lr_schedule}), {job.steps_per_epoch} steps/epoch, training to step {job.total_steps}",
+            f"batch {args.batch_size}/rank, {args.optimizer} lr {args.lr}"
+            f"{f' x {job.world}' if args.optimizer == 'sgd' else ' (not scaled)'} (warm-up {job.warmup} steps, "
+            f"{args.lr_schedule}){', bf16 autocast' if args.bf16 else ''}, {job.steps_per_epoch} steps/epoch, "
+            f"training to step {job.total_steps}",
             f"compressor {describe_compression(args)}"]
 
 

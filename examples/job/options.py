@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import horovod_adtopk as hat
 
-from .data import DATASETS
+from .data import COMMON_DEFAULTS, DATASETS, MODEL_DEFAULTS
 
 DESCRIPTION = "Data-parallel training with sparse gradient compression (horovod_adtopk)."
 VALUE_DTYPES = hat.Compression.value_dtypes()
@@ -17,6 +17,7 @@ VALUE_DTYPES = hat.Compression.value_dtypes()
 # first 150 rounds. --no-warmup (or --dense-rounds 0 --density-warmup 0) turns it off.
 DENSE_ROUNDS = 50
 DENSITY_WARMUP = 150
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def _compressor_name(text: str) -> str:
@@ -51,20 +52,31 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (across epochs and resumes)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: 64 fashion-mnist, 32 shakespeare)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
+                   help="the wrapped optimizer: sgd (momentum, --weight-decay coupled) or adamw (--betas, decoupled "
+                        "--weight-decay on weight matrices and embeddings only, none on biases and LayerNorms) "
+                        "(default: adamw for gpt, sgd otherwise)")
     p.add_argument("--lr", type=float, default=None,
-                   help="single-rank learning rate; scaled by the number of ranks (default: 0.1 fashion-mnist, 0.5 shakespeare)")
+                   help="sgd: single-rank learning rate, scaled by the number of ranks (default: 0.1 fashion-mnist, "
+                        "0.5 shakespeare); adamw: the peak rate, not scaled (default: 2e-3 for gpt)")
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"),
+                   help="AdamW's moment decay rates (--optimizer adamw)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--momentum-correction", action=argparse.BooleanOptionalAction, default=None,
                    help="sparse compressors: apply --momentum inside the error-feedback memory of the sparse tensors "
                         "(DGC's momentum correction) instead of in SGD; dense-path tensors keep SGD momentum "
                         "(default: on for sparse compressors)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=None, help="(default: 0.1 for gpt with adamw, else 0)")
     p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="cosine",
                    help="after (and on top of) the warm-up: constant, or cosine annealing to 0 at the end of --epochs")
     p.add_argument("--warmup-steps", type=int, default=None,
-                   help="linear lr warm-up from lr to lr*ranks over this many steps (default: one epoch)")
+                   help="linear lr warm-up over this many steps: sgd from lr to lr*ranks, adamw from lr/N to lr "
+                        "(default: one epoch; 100 steps for gpt)")
     p.add_argument("--clip-grad", type=float, default=None,
                    help="clip the averaged gradient to this global norm; 0: off (default: off / 1.0 for lstm)")
+    p.add_argument("--bf16", action="store_true",
+                   help="run the forward pass under bfloat16 autocast (CPU or CUDA); the loss, the gradients, the "
+                        "parameters and the optimizer state stay float32")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even when a GPU is available")
 
@@ -102,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     p.add_argument("--model", default=None,
-                   help="cnn, resnet or vgg for fashion-mnist, lstm for shakespeare (default: cnn / lstm)")
+                   help="cnn, resnet or vgg for fashion-mnist, lstm or gpt for shakespeare (default: cnn / lstm)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: the installed data)")
     p.add_argument("--engine", choices=("horovod", "ddp"), default="horovod",
                    help="horovod: hat.DistributedOptimizer under horovodrun/mpirun/srun; ddp: PyTorch "
@@ -110,9 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "powersgd: PyTorch's own PowerSGD hook)")
     _add_compression_flags(p)
     _add_optimizer_flags(p)
-    p.add_argument("--seq-len", type=int, default=64, help="shakespeare window length")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="shakespeare window length, the gpt's context (default: 64 lstm, 128 gpt)")
     p.add_argument("--lstm-hidden", type=int, default=256)
     p.add_argument("--lstm-layers", type=int, default=2)
+    p.add_argument("--gpt-dim", type=int, default=128, help="gpt: model width D (qkv [3D, D], MLP [4D, D])")
+    p.add_argument("--gpt-layers", type=int, default=5, help="gpt: transformer blocks")
+    p.add_argument("--gpt-heads", type=int, default=4, help="gpt: attention heads (must divide --gpt-dim)")
+    p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="gpt: the output head is the token embedding (one parameter used twice)")
     _add_output_flags(p)
     return p
 
@@ -125,9 +143,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.model = (args.model or spec.models[0]).lower()
     if args.model not in spec.models:
         p.error(f"--model {args.model} does not fit --dataset {args.dataset}; choose {' or '.join(spec.models)}")
-    for key, value in spec.defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    for defaults in (MODEL_DEFAULTS.get(args.model, {}), spec.defaults, COMMON_DEFAULTS):
+        for key, value in defaults.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    args.betas = tuple(args.betas)
     _check_ranges(p, args)
     _resolve_warmup(p, args)
     _resolve_compression(p, args)
@@ -139,9 +159,16 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--epochs must be >= 1")
     if args.max_steps is not None and args.max_steps < 0:
         p.error("--max-steps must be >= 0")
-    for name in ("batch_size", "test_batch_size", "seq_len", "lstm_hidden", "lstm_layers"):
+    for name in ("batch_size", "test_batch_size", "seq_len", "lstm_hidden", "lstm_layers", "gpt_dim", "gpt_layers",
+                 "gpt_heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.model == "gpt" and args.gpt_dim % args.gpt_heads:
+        p.error(f"--gpt-heads ({args.gpt_heads}) must divide --gpt-dim ({args.gpt_dim})")
+    if not all(0.0 <= b < 1.0 for b in args.betas):
+        p.error(f"--betas must lie in [0, 1), got {list(args.betas)}")
+    if args.lr <= 0 or args.weight_decay < 0:
+        p.error("--lr must be > 0 and --weight-decay >= 0")
     if args.test_batches is not None and args.test_batches < 0:
         p.error("--test-batches must be >= 0")
     if args.checkpoint_every < 0:
@@ -208,6 +235,11 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         args.momentum_correction = False
         args.ratio = args.density_start = None
         args.density_warmup = 0
+    if args.optimizer == "adamw":
+        if args.momentum_correction:
+            p.error("--momentum-correction is SGD's (DGC): it moves SGD's momentum into the error-feedback memory; "
+                    "AdamW keeps its moments in the optimizer, so drop the flag or use --optimizer sgd")
+        args.momentum_correction = False
     if args.momentum_correction is None:
         args.momentum_correction = True
     if args.momentum_correction and not 0.0 <= args.momentum < 1.0:
@@ -219,14 +251,16 @@ def describe_compression(args: argparse.Namespace) -> str:
     """The effective compression settings in words, e.g. ``adtopk: ratio 0.01, momentum correction 0.9;
     compression warm-up: 50 dense rounds, density 0.25 -> 0.01 over 150 rounds``."""
     c = args.compressor
+    base = (f"AdamW betas {args.betas[0]}/{args.betas[1]}, weight decay {args.weight_decay}"
+            if args.optimizer == "adamw" else f"SGD momentum {args.momentum}")
     if hat.Compression.is_dense_name(c):
-        text = f"{c}: dense, SGD momentum {args.momentum}"
+        text = f"{c}: dense, {base}"
     elif c == "powersgd":
-        text = f"{c}: rank {args.powersgd_rank}, SGD momentum {args.momentum}"
+        text = f"{c}: rank {args.powersgd_rank}, {base}"
     else:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
-                 if args.momentum_correction else f", SGD momentum {args.momentum}")
+                 if args.momentum_correction else f", {base}")
     parts = []
     if args.dense_rounds:
         parts.append(f"{args.dense_rounds} dense rounds")

@@ -16,7 +16,8 @@ from .state import COUNTER_KEYS, Job, Progress, counter_totals
 RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "threshold", "min_numel", "momentum_correction",
                "batch_size", "lr", "momentum", "weight_decay", "lr_schedule", "schedule_horizon", "warmup_steps",
                "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size", "dense_rounds",
-               "density_warmup", "density_start", "powersgd_rank")
+               "density_warmup", "density_start", "powersgd_rank", "optimizer", "betas", "bf16", "gpt_dim",
+               "gpt_layers", "gpt_heads", "tie_weights")
 
 
 def save_checkpoint(job: Job, progress: Progress) -> None:
