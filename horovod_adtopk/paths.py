@@ -33,6 +33,7 @@ def plan(sparse_path: Dict[str, bool], infos: dict, compression, partial, hierar
             if hierarchical is not None and hierarchical.decide(info, sparse, reason)[0]:
                 sparse, reason, path = True, hierarchical.reasons[name], "hierarchical"
         sparse_path[name] = sparse
-        stats.set_path(name, info.numel, sparse, reason, path)
+        stats.set_path(name, info.numel, sparse, reason, path,
+                       compression.selection_summary(info) if sparse else None)
     if sender is not None:
         sender.profile = partial if partial is not None and partial.profiling else None

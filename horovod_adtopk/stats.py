@@ -16,6 +16,7 @@ from typing import Dict, Optional
 class TensorStats:
     path: str = "dense"
     reason: str = ""
+    selection: Optional[dict] = None  # the compressor's selection_summary() on the sparse path
     numel: int = 0
     elements_sent: int = 0
     elements_total: int = 0
@@ -40,10 +41,13 @@ class Stats:
     nonfinite_steps: int = 0
     tensors: Dict[str, TensorStats] = field(default_factory=dict)
 
-    def set_path(self, name: str, numel: int, sparse: bool, reason: str, path: Optional[str] = None) -> None:
-        """Record the path of ``name``: "sparse" / "dense", or ``path`` when given (e.g. "hierarchical")."""
+    def set_path(self, name: str, numel: int, sparse: bool, reason: str, path: Optional[str] = None,
+                 selection: Optional[dict] = None) -> None:
+        """Record the path of ``name``: "sparse" / "dense", or ``path`` when given (e.g. "hierarchical"), and
+        how a sparse tensor is selected (``selection``)."""
         t = self.tensors.setdefault(name, TensorStats(numel=numel))
         t.path, t.reason = path or ("sparse" if sparse else "dense"), reason
+        t.selection = selection if sparse else None
 
     def record(self, name: str, numel: int, elements_sent: int, bytes_sent: int) -> None:
         t = self.tensors.setdefault(name, TensorStats(numel=numel))
@@ -77,7 +81,8 @@ class Stats:
             "compress_seconds": self.compress_seconds,
             "decompress_seconds": self.decompress_seconds,
             "nonfinite_steps": self.nonfinite_steps,
-            "tensors": {name: {"path": t.path, "reason": t.reason, "numel": t.numel, "density": t.density,
+            "tensors": {name: {"path": t.path, "reason": t.reason, "selection": t.selection, "numel": t.numel,
+                               "density": t.density,
                                "bytes_sent": t.bytes_sent, "compress_seconds": t.compress_seconds,
                                "decompress_seconds": t.decompress_seconds}
                         for name, t in sorted(self.tensors.items())},

@@ -75,3 +75,50 @@ def test_clear_error_on_every_rank(scenario, controller, needle):
     for res in results:
         assert res["error"] is not None, f"{scenario}: no error raised"
         assert needle in res["message"], res["message"]
+
+
+def test_transformer_tensors_and_a_tied_head_match_reference():
+    """Transformer tensors (fused qkv [3D, D], projections, MLP [4D, D] / [D, 4D], token embedding [V, D] tied to
+    the head, positions [T, D], LayerNorms and biases) through the real hooks with ADTopk and AdamW: every
+    aggregate equals the numpy reference; the tied parameter is exchanged once per step, carrying the sum of
+    its two uses; the per-tensor stats report path, the fiber layout and the density."""
+    steps, ratio = 3, 0.1
+    results = run_ranks("transformer_reference", np=2, controller="gloo",
+                        args={"steps": steps, "ratio": ratio}, timeout=120)
+    names, shapes, stats = results[0]["names"], results[0]["shapes"], results[0]["stats"]
+    outdir = Path(results[0]["outdir"])
+    assert "head.weight" not in names and names.count("tok_emb.weight") == 1
+    data = [np.load(outdir / f"gpt_rank{r}.npz") for r in range(2)]
+    for d in data:  # the tied gradient is the sum of the embedding's and the head's
+        for t in range(steps):
+            np.testing.assert_allclose(d[f"g/{t}/tok_emb.weight"], d[f"emb/{t}"] + d[f"head/{t}"], rtol=1e-12, atol=1e-14)
+    grads = [[{n: d[f"g/{t}/{n}"] for n in names} for t in range(steps)] for d in data]
+    outs = [[{n: d[f"out/{t}/{n}"] for n in names} for t in range(steps)] for d in data]
+    sparse = {n: ref.adtopk_is_sparse(tuple(shapes[n]), ratio, "auto", 8, 8, 0) for n in names}
+    assert sparse["tok_emb.weight"] and sparse["blocks.0.attn.qkv.weight"] and not sparse["ln_f.weight"]
+    expected = ref.simulate(grads, lambda a, n: ref.adtopk_mask(a, ratio, "auto"), sparse)
+    for t in range(steps):
+        for n in names:
+            np.testing.assert_array_equal(outs[0][t][n], outs[1][t][n])
+            np.testing.assert_allclose(outs[0][t][n], expected[t][n], rtol=1e-12, atol=1e-12, err_msg=f"{t} {n}")
+    for n in names:
+        s, numel = stats[n], int(np.prod(shapes[n]))
+        assert s["path"] == ("sparse" if sparse[n] else "dense"), (n, s)
+        assert s["numel"] == numel
+        if not sparse[n]:
+            assert s["selection"] is None and s["density"] == 1.0
+            continue
+        rows, cols = shapes[n][0], numel // shapes[n][0]
+        axis = ref.resolve_axis(rows, cols, "auto", ratio)
+        fiber_len = cols if axis == 1 else rows
+        k = max(1, int(np.floor(fiber_len * ratio)))
+        sel = s["selection"]
+        assert (sel["rule"], sel["axis"], sel["fiber_len"], sel["k"], sel["matrix"]) == ("adtopk", axis, fiber_len, k,
+                                                                                         [rows, cols]), (n, sel)
+        assert sel["count"] == sel["fibers"] * k == (rows if axis == 1 else cols) * k
+        # exchanged once per step (a second exchange of the tied parameter would double its elements)
+        assert s["density"] == sel["count"] / numel, (n, s)
+        index_bytes = 2 if fiber_len <= 32768 else 4  # fiber-local indices: int16 where they fit
+        pad8 = lambda b: -(-b // 8) * 8  # the wire block pads values and indices to 8 bytes each
+        assert sel["index_dtype"] == ("int16" if index_bytes == 2 else "int32")
+        assert s["bytes_sent"] == steps * (pad8(8 * sel["count"]) + pad8(index_bytes * sel["count"])), (n, s)

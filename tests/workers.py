@@ -325,3 +325,41 @@ def die_midway(args, outdir):
             os.kill(os.getpid(), signal.SIGKILL)
         _train_steps(model, opt, rank, step, step + 1)
     return {"finished": True}
+
+
+def transformer_reference(args, outdir):
+    """A small GPT (tied embedding/head) in float64 through the real gradient hooks with ADTopk: every step's
+    local gradient (also split into its two uses by an untied copy), the aggregate, and the per-tensor stats."""
+    from examples.models import GPT
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=11, dim=16, heads=2, layers=1, context=8)
+    model = GPT(**sizes).double()
+    untied = GPT(**sizes, tie_weights=False).double()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    named = list(model.named_parameters())
+    opt = hat.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), named_parameters=named,
+                                   compression=hat.Compression.adtopk(ratio=args["ratio"], min_numel=0, hybrid=False))
+    gen = torch.Generator().manual_seed(10 + rank)
+    arrays = {}
+    for step in range(args["steps"]):
+        x = torch.randint(0, 11, (3, 8), generator=gen)
+        untied.load_state_dict({**model.state_dict(), "head.weight": model.tok_emb.weight.detach().clone()})
+        loss_u = torch.nn.functional.cross_entropy(untied(x).reshape(-1, 11), x.roll(1, dims=1).reshape(-1))
+        loss_u.backward()
+        arrays[f"emb/{step}"] = untied.tok_emb.weight.grad.numpy().copy()
+        arrays[f"head/{step}"] = untied.head.weight.grad.numpy().copy()
+        untied.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 11), x.roll(1, dims=1).reshape(-1))
+        local = torch.autograd.grad(loss, [p for _, p in named], retain_graph=True)
+        loss.backward()
+        opt.synchronize()
+        for (n, p), g in zip(named, local):
+            arrays[f"g/{step}/{n}"] = g.numpy()
+            arrays[f"out/{step}/{n}"] = p.grad.numpy().copy()
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+    np.savez(Path(outdir, f"gpt_rank{rank}.npz"), **arrays)
+    return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named},
+            "stats": opt.stats()["tensors"]}

@@ -50,6 +50,13 @@ class ADTopkCompressor(SparseCompressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(self.layout(info).fiber_len - 1)
 
+    def selection_summary(self, info: TensorInfo) -> dict:
+        """The rule's summary plus the fiber layout at the target ratio: the axis the fibers run along of the
+        ``[rows, cols]`` matrix view (1: rows are fibers), how many fibers, their length and ``k`` per fiber."""
+        lay = self.layout(info)
+        return {**super().selection_summary(info), "matrix": [lay.rows, lay.cols], "axis": lay.axis,
+                "fibers": lay.num_fibers, "fiber_len": lay.fiber_len, "k": lay.k}
+
     def _fiber_topk(self, a, codec, grad=None, zero_sent=False) -> Selection:
         lay = codec.layout
         values, local = kernels.adtopk_select(_contiguous(a), lay.rows, lay.cols, lay.axis, lay.k,

@@ -230,6 +230,13 @@ class SparseCompressor(Compressor):
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
         return index_dtype_for(info.numel - 1)
 
+    def selection_summary(self, info: TensorInfo) -> dict:
+        """How this tensor is selected at the target ratio, for ``opt.stats()["tensors"][name]["selection"]``:
+        the rule, entries per rank and step, and the wire's index dtype (rules by fibers add their layout)."""
+        index = self.nominal_index_dtype(info)
+        return {"rule": self.name, "count": self.nominal_count(info),
+                "index_dtype": str(index).replace("torch.", "") if index is not None else None}
+
     def nominal_bytes(self, info: TensorInfo) -> Tuple[int, int]:
         """``(P, D)``: one rank's payload bytes per step (nominal for variable-size rules) and the dense
         tensor's bytes."""

@@ -132,7 +132,8 @@ class CompressionState:
         else:
             sparse, reason = self.compression.choose_path(info, self.comm().size())
         self._sparse_path[info.name] = sparse
-        self.stats_.set_path(info.name, info.numel, sparse, reason)
+        self.stats_.set_path(info.name, info.numel, sparse, reason,
+                             selection=self.compression.selection_summary(info) if sparse else None)
 
     def on_sparse_path(self, name: str) -> bool:
         return self._sparse_path.get(name, False)
