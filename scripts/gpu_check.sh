@@ -6,7 +6,7 @@
 #     bash scripts/gpu_check.sh            # logs and JSON in ${OUT:-gpu_check_out}/
 #
 # Stages (each under its own timeout; a failed stage does not stop the next; the exit status is non-zero
-# if any stage failed), sized to finish within about 8 minutes:
+# if any stage failed), sized to finish within about 9.5 minutes:
 #   1. versions      nvidia-smi, python, torch, triton, the CUDA device
 #   2. tests         pytest tests/test_triton_kernels.py (and tests/test_kernels.py if present) on CUDA
 #   3. bench         CUDA-event timings (median of 20 after warm-up) on the largest tensors of ResNet-50,
@@ -20,6 +20,11 @@
 #                    gradients checked against the same runs on the CPU; then the step time of the 25M MLP
 #                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
 #                    JSON in $OUT/ddp_check.json.
+#   5. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
+#                    ADTopk for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
+#                    on a text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
+#                    checks that it ran on cuda, compressed (density < 0.1) and ended with a finite loss.
+#                    Summary in $OUT/gpt.json.
 #
 # GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
 # and the ddp stage on CPU tensors over Gloo with a small MLP (to check the script where there is no GPU).
@@ -237,18 +242,43 @@ ddp_check() {
     fi
 }
 
+gpt() {
+    local text="$OUT_DIR/gpt_text" torchrun
+    mkdir -p "$text"
+    for f in README.md BENCHMARKS.md; do cp "$f" "$text/${f%.md}.txt"; done
+    torchrun="$(dirname "$(command -v "$PY")")/torchrun"
+    [ -x "$torchrun" ] || torchrun="torchrun"
+    local device=(--ddp-backend gloo)
+    [ "$DRY" = "1" ] && device+=(--no-cuda)
+    OMP_NUM_THREADS=2 "$torchrun" --standalone --nproc-per-node 2 examples/train.py --engine ddp "${device[@]}" \
+        --dataset shakespeare --data-dir "$text" --model gpt --bf16 --compressor adtopk --ratio 0.01 --no-warmup \
+        --epochs 3 --max-steps 20 --test-batches 2 --no-progress --log-every 0 --summary-json "$OUT_DIR/gpt.json" || return 1
+    "$PY" - "$OUT_DIR/gpt.json" "$OUT_DIR/gpt.log" "$DRY" <<'PYEOF'
+import json, math, sys
+res = json.load(open(sys.argv[1]))
+log = open(sys.argv[2]).read()
+want = "cpu" if sys.argv[3] == "1" else "cuda"
+ok = f"torchrun init, {want})" in log and res["density"] < 0.1 and math.isfinite(res["test_loss"]) and res["step"] == 20
+print(f"gpt: device {want}, density {res['density']:.4f}, test loss {res['test_loss']:.3f}, "
+      f"{res['wall_time']:.1f} s for 20 steps: {'ok' if ok else 'FAILED'}")
+sys.exit(0 if ok else 1)
+PYEOF
+}
+
 export OUT_DIR PY DRY
-export -f versions run_tests bench ddp_check
+export -f versions run_tests bench ddp_check gpt
 
 if [ "$DRY" = "1" ]; then
     echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter) and ddp stage (CPU, Gloo)"
     run_stage bench 300 bench
     run_stage ddp 180 ddp_check
-else  # stage limits add up to 8 minutes
+    run_stage gpt 180 gpt
+else  # stage limits add up to 9.5 minutes
     run_stage versions 30 versions
     run_stage tests 200 run_tests
     run_stage bench 150 bench
     run_stage ddp 100 ddp_check
+    run_stage gpt 90 gpt
 fi
 
 if [ -n "$FAILED" ]; then

@@ -325,6 +325,26 @@ def test_train_engine_ddp_gpt_adamw_resumes_bitwise(tmp_path):
     assert fa["density"] < 0.5
 
 
+def test_train_engine_ddp_runs_without_horovod(tmp_path):
+    """The job's DDP engine needs no Horovod (a GPU box with torch alone runs it): train.py with horovod
+    unimportable, one process, the transformer job with ADTopk."""
+    from tests.test_train import TINY_GPT, tiny_corpus
+    train = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    code = ("import os, sys, runpy; sys.modules['horovod'] = None; sys.argv = sys.argv[1:]; "
+            "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+    cmd = [sys.executable, "-c", code, str(train), "--engine", "ddp", "--ddp-backend", "gloo", *map(str, TINY_GPT),
+           "--data-dir", str(tiny_corpus(tmp_path / "text")), "--max-steps", "2", "--no-progress", "--log-every", "0"]
+    rc, out, _ = run_command(cmd, timeout=120, env={"MASTER_PORT": str(_free_port())})
+    assert rc == 0 and "Final test perplexity" in out, out[-4000:]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_train_engine_ddp_powersgd_is_pytorchs_hook(tmp_path):
     out = _torchrun_train(["--dataset", "fashion-mnist", "--compressor", "powersgd", "--max-steps", 3])
     assert "Final test accuracy" in out and "less)" in out, out[-4000:]

@@ -13,7 +13,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .board import open_tensorboard
 from .common import agree
 from .data import DATASETS, DatasetSpec, make_model
-from .engine import start_engine
+from .optim import start_engine
 from .logs import setup_logging
 from .resume import RESUME_KEYS
 from .state import Job

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
 
-from .engine import base_optimizer, make_compression, sparse_parameter_names
+from .optim import base_optimizer, make_compression, sparse_parameter_names
 
 HOOK_STATE_KEY = "horovod_adtopk_ddp"
 
@@ -96,7 +96,9 @@ class DDPEngine:
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
         self.cuda = torch.cuda.is_available() and not args.no_cuda
-        dist.init_process_group("nccl" if self.cuda else "gloo", timeout=timedelta(seconds=120))
+        backend = getattr(args, "ddp_backend", "auto")
+        dist.init_process_group(("nccl" if self.cuda else "gloo") if backend == "auto" else backend,
+                                timeout=timedelta(seconds=120))
         atexit.register(_shutdown)  # an orderly end of the process group's threads before the interpreter's
         self.init_mode = "torchrun"
 

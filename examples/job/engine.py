@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, List, Set
+from typing import Any, List
 
 import torch
 
@@ -19,54 +19,8 @@ import horovod.torch as hvd
 import horovod_adtopk as hat
 
 from .common import HOROVODRUN_VARS, MPI_LAUNCHER_VARS
-from .options import VALUE_DTYPES
-
-
-def make_compression(args: argparse.Namespace):
-    """The compressor named by --compressor, from the flags it takes (the registry knows which)."""
-    return hat.Compression.from_options(
-        args.compressor, ratio=args.ratio, value_dtype=VALUE_DTYPES.get(args.value_dtype), threshold=args.threshold,
-        min_numel=args.min_numel, momentum=args.momentum if args.momentum_correction else None,
-        seed=args.seed,  # identical on every rank (Random-k draws the same positions everywhere)
-        density_warmup=args.density_warmup, density_start=args.density_start, rank=args.powersgd_rank)
-
-
-def sparse_parameter_names(model: torch.nn.Module, compression, world: int) -> Set[str]:
-    """Names of the parameters the optimizer will send sparsely (the compressor's own per-tensor rule)."""
-    if not isinstance(compression, hat.SparseCompressor):
-        return set()
-    from horovod_adtopk.compressors import TensorInfo
-    return {n for n, p in model.named_parameters() if p.requires_grad and
-            compression.choose_path(TensorInfo(n, tuple(p.shape), p.numel(), p.dtype), world)[0]}
-
-
-def sgd_groups(model: torch.nn.Module, sparse: Set[str], momentum: float) -> List[dict]:
-    """SGD parameter groups: the sparse-path parameters without momentum (their error-feedback memory
-    accumulates the velocity: DGC's momentum correction), the others with ``momentum``."""
-    named = list(model.named_parameters())
-    groups = [{"params": [p for n, p in named if n in sparse], "momentum": 0.0},
-              {"params": [p for n, p in named if n not in sparse], "momentum": momentum}]
-    return [g for g in groups if g["params"]]
-
-
-def adamw_groups(model: torch.nn.Module, weight_decay: float) -> List[dict]:
-    """AdamW parameter groups: decoupled weight decay on the weight matrices and embeddings (2-D and up), none
-    on biases and LayerNorm gains (1-D), as GPT-2 and most transformer recipes do."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-def base_optimizer(model: torch.nn.Module, args: argparse.Namespace, lr: float, sparse: Set[str],
-                   sgd=torch.optim.SGD, adamw=torch.optim.AdamW) -> torch.optim.Optimizer:
-    """The optimizer ``--optimizer`` names, before any wrapping: SGD (``sgd_groups``: momentum correction moves
-    the sparse-path tensors' momentum into the error-feedback memory) or AdamW (``adamw_groups``). ``sgd`` and
-    ``adamw`` are the classes to build (the DDP engine passes subclasses that carry its hook state)."""
-    if args.optimizer == "adamw":
-        return adamw(adamw_groups(model, args.weight_decay), lr=lr, betas=tuple(args.betas))
-    return sgd(sgd_groups(model, sparse, args.momentum), lr=lr, momentum=args.momentum,
-               weight_decay=args.weight_decay)
+# the optimizer and compressor builders need no Horovod (the DDP engine uses them too); re-exported here
+from .optim import adamw_groups, base_optimizer, make_compression, sgd_groups, sparse_parameter_names  # noqa: F401
 
 
 def init_horovod() -> str:
@@ -153,8 +107,6 @@ class HorovodEngine:
 
 
 def start_engine(args: argparse.Namespace):
-    """Start the engine the job runs on: Horovod, or PyTorch DDP with ``--engine ddp`` (:mod:`job.ddp_engine`)."""
-    if getattr(args, "engine", "horovod") == "ddp":
-        from .ddp_engine import DDPEngine
-        return DDPEngine(args)
-    return HorovodEngine()
+    """Start the engine the job runs on (see :func:`job.optim.start_engine`)."""
+    from .optim import start_engine as start
+    return start(args)

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="horovod: hat.DistributedOptimizer under horovodrun/mpirun/srun; ddp: PyTorch "
                         "DistributedDataParallel with the horovod_adtopk.ddp hook under torchrun (--compressor "
                         "powersgd: PyTorch's own PowerSGD hook)")
+    p.add_argument("--ddp-backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="--engine ddp: the process group's backend (auto: nccl on GPUs, gloo on the CPU; gloo also "
+                        "runs several processes on one GPU, which NCCL refuses)")
     _add_compression_flags(p)
     _add_optimizer_flags(p)
     p.add_argument("--seq-len", type=int, default=None,
