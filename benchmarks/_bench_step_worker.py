@@ -55,6 +55,7 @@ from _step_comm import FileComm, HvdComm
 build_model = common.load_example("models").build_model
 
 LSTM_VOCAB = 84
+GPT_VOCAB, GPT_CONTEXT = 65, 128  # the transformer job's: Shakespeare's 65 characters, 128-token windows
 DENSE_HVD = {"hvd-dense": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16}
 
 
@@ -63,6 +64,8 @@ DENSE_HVD = {"hvd-dense": hvd.Compression.none, "hvd-fp16": hvd.Compression.fp16
 def make_model(name: str) -> torch.nn.Module:
     if name == "lstm":
         return build_model("lstm", vocab_size=LSTM_VOCAB)
+    if name == "gpt":  # examples/models.py GPT with the job's defaults (1.0M parameters, tied head)
+        return build_model("gpt", vocab_size=GPT_VOCAB, context=GPT_CONTEXT)
     return build_model(name)
 
 
@@ -76,6 +79,9 @@ def make_batches(model_name: str, batch: int, seq_len: int, count: int, seed: in
         elif model_name == "lstm":
             x = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
             y = torch.randint(0, LSTM_VOCAB, (batch, seq_len), generator=g)
+        elif model_name == "gpt":
+            x = torch.randint(0, GPT_VOCAB, (batch, GPT_CONTEXT), generator=g)
+            y = torch.randint(0, GPT_VOCAB, (batch, GPT_CONTEXT), generator=g)
         elif model_name in ("cnn", "vgg"):  # examples/models.py SmallCNN / VGGStyle on 1x28x28 images
             x = torch.randn(batch, 1, 28, 28, generator=g)
             y = torch.randint(0, 10, (batch,), generator=g)

@@ -7,7 +7,7 @@ How to run (from the repository root, the native kernel built)::
     python benchmarks/bench_kernel_paths.py --repeats 5 --dtypes float32 float16 bfloat16
 
 For every shape (the 25M MLP's weight matrices, VGG-16 fc6/fc7, BERT-base embeddings and layer matrices,
-a ResNet-50 3x3 conv) it times the fused error-feedback selection the optimizer runs on the CPU:
+a ResNet-50 3x3 conv, GPT-2 small's token embedding and fused qkv) it times the fused error-feedback selection the optimizer runs on the CPU:
 ``kernels.adtopk_select(r, rows, cols, axis, k, grad=g, zero_sent=True)`` (``r += g``, per-fiber top-k,
 sent entries zeroed), in four configurations, interleaved repeat by repeat (so a change of machine load
 hits all of them alike):
@@ -42,7 +42,9 @@ SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 409
           "vgg16.fc6 [4096,25088]": (4096, 25088), "vgg16.fc7 [4096,4096]": (4096, 4096),
           "bert.word_emb [30522,768]": (30522, 768), "bert.ffn_in [3072,768]": (3072, 768),
           "bert.ffn_out [768,3072]": (768, 3072), "bert.attn [768,768]": (768, 768),
-          "resnet50.conv3x3 [256,2304]": (256, 2304)}
+          "resnet50.conv3x3 [256,2304]": (256, 2304),
+          # GPT-2 small (its attention, MLP and projection matrices share BERT-base's shapes above)
+          "gpt2.wte [50257,768]": (50257, 768), "gpt2.c_attn [2304,768]": (2304, 768)}
 CONFIGS = ("before", "simd", "rule", "rule+2t")
 
 

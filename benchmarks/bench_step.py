@@ -29,8 +29,8 @@ For each (rate, N, model) cell one ``horovodrun --gloo`` job is launched (HOROVO
 default, ``--threads`` torch threads per rank, 1 by default, the same for every mode) and every mode of the
 cell runs inside it, in turn, on a fresh model, ``--rounds`` times (interleaved: the whole list, then the
 whole list again; see ``benchmarks/_bench_step_worker.py``). A step is forward + backward + optimizer step
-on a random batch of fixed size per rank (mlp: 32 x 2048, resnet18: 32 x 3x32x32, lstm: 16 x 64 tokens,
-vocab 84); after ``--warmup`` steps, ``--steps`` steps are timed per round (fewer if a mode exceeds
+on a random batch of fixed size per rank (mlp: 32 x 2048, resnet18: 32 x 3x32x32, lstm: 16 x 64 tokens of
+a vocabulary of 84, gpt: 32 x 128 tokens of 65); after ``--warmup`` steps, ``--steps`` steps are timed per round (fewer if a mode exceeds
 ``--mode-budget`` seconds, at least ``--min-steps``). Reported: the median over steps (pooled over rounds)
 of the max over ranks of the step time, its ratio to the lower bound, the speed-up over ``hvd-dense`` and
 ``hvd-fp16``, and bytes each rank hands to the collectives per step (``opt.stats()`` for horovod_adtopk;
@@ -80,7 +80,7 @@ PARENT_NS = "BENCH_STEP_PARENT_NETNS"
 ALL_RATES = ["uncapped", "10gbit", "1gbit", "100mbit"]
 DEFAULT_COMPRESSORS = ["adtopk", "topk", "dgc", "randomk", "adtopk_i"]
 DEFAULT_MODES = ["compute-noinit", "compute", "hvd-dense", "hvd-fp16", "ours", "ddp-powersgd"]
-BATCH = {"mlp": 32, "resnet18": 32, "lstm": 16, "cnn": 64, "vgg": 64}
+BATCH = {"mlp": 32, "resnet18": 32, "lstm": 16, "cnn": 64, "vgg": 64, "gpt": 32}
 SEQ_LEN = 64
 RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
 UNITS = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -97,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", type=csv, default=None, help=f"link rates (default {','.join(ALL_RATES)})")
     ap.add_argument("--np", type=lambda s: [int(x) for x in csv(s)], default=None, help="world sizes (default 2,4)")
-    ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28)")
+    ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn,vgg,gpt (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28; gpt: the transformer job's GPT, batch 32 x 128 tokens)")
     ap.add_argument("--modes", type=csv, default=None,
                     help="compute-noinit,compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: "
                          "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME) and "
