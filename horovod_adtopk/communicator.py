@@ -94,14 +94,14 @@ class Communicator:
         return self.wait(self.allgather_async(tensor, name))
 
     # --- the interface of horovod_adtopk.local_steps (blocking, started together so Horovod fuses them) ---------
-    def sum_tensors(self, tensors: Sequence[torch.Tensor], name: str) -> List[torch.Tensor]:
-        """Every tensor summed over the set (in place where Horovod can), in order."""
-        handles = [self.allreduce_async_(t, f"{name}.{i}", hvd.Sum) for i, t in enumerate(tensors)]
+    def sum_tensors(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """Every tensor summed over the set (in place where Horovod can), in order; one name per tensor."""
+        handles = [self.allreduce_async_(t, n, hvd.Sum) for t, n in zip(tensors, names)]
         return [self.wait(h) for h in handles]
 
-    def gather_tensors(self, tensors: Sequence[torch.Tensor], name: str) -> List[torch.Tensor]:
-        """Every member's tensors, each concatenated in rank order."""
-        handles = [self.allgather_async(t, f"{name}.{i}") for i, t in enumerate(tensors)]
+    def gather_tensors(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """Every member's tensors, each concatenated in rank order; one name per tensor."""
+        handles = [self.allgather_async(t, n) for t, n in zip(tensors, names)]
         return [self.wait(h) for h in handles]
 
     def active_members(self, name: str) -> int:

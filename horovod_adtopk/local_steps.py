@@ -28,8 +28,8 @@ buffer (another copy, when ``momentum > 0``) and the residuals of the sparse-pat
 ``LocalSteps.memory_bytes()`` counts what is held.
 
 This module owns the outer state and its math; it imports neither Horovod nor ``torch.distributed``. The
-engines hand it a communicator with ``size()``, ``rank()``, ``sum_tensors(tensors, name)``,
-``gather_tensors(tensors, name)`` (blocking; each rank's tensors have the same sizes on every rank) and
+engines hand it a communicator with ``size()``, ``rank()``, ``sum_tensors(tensors, names)``,
+``gather_tensors(tensors, names)`` (blocking; each rank's tensors have the same sizes on every rank) and
 ``active_members(name)`` (:class:`horovod_adtopk.communicator.Communicator` and
 :class:`horovod_adtopk.ddp.communicator.ProcessGroupComm` have them). The optimizer surface both engines
 return is :func:`wrap_optimizer`.
@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import state as layout
-from .compressors import SparseCompressor, TensorInfo, is_sparse
+from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution
 from .stats import Stats
@@ -242,7 +242,7 @@ class LocalSteps:
                 out[name] = wire.view(self.infos[name].shape)
             return out
         if dense:
-            sums = self.comm.sum_tensors([w for _, w, _ in dense], "hat.outer.dense")
+            sums = self.comm.sum_tensors([w for _, w, _ in dense], [f"hat.outer.dense.{n}" for n, _, _ in dense])
             for (name, wire, ctx), summed in zip(dense, sums):
                 if ctx is not None:
                     summed = self.dense_compression.decompress(summed, ctx)
@@ -255,7 +255,7 @@ class LocalSteps:
             c = self.compression
             payloads = [pack(s.wire_values, s.wire_index, c.wire_value_dtype(self.infos[n].dtype), s.codec.index_dtype)
                         for n, s in sparse]
-            gathered = self.comm.gather_tensors(payloads, "hat.outer.sparse")
+            gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
             for (name, s), payload, blocks in zip(sparse, payloads, gathered):
                 info = self.infos[name]
                 self.stats.tensors[name].bytes_sent += payload_bytes(payload)

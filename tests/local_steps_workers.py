@@ -226,6 +226,62 @@ def errors(args, outdir):
     return out
 
 
+def reset_interval(args, outdir):
+    """reset_compression_state() mid-interval (an elastic reset): residuals, momentum and the interval are
+    dropped; after the re-broadcast the next interval starts from rank 0's parameters, ranks identical."""
+    import horovod.torch as hvd
+    model = linear_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression=hat.Compression.adtopk(ratio=0.1, **{"min_numel": 0, "hybrid": False}),
+                                   sync_every=2, outer=hat.Outer.nesterov(0.7, 0.9))
+    run = lambda first, last: [(opt.zero_grad(), least_squares(model, *batch(hvd.rank(), s)).backward(), opt.step())
+                               for s in range(first, last)]  # noqa: E731
+    run(0, 5)
+    held = opt.stats()["local_steps"]["memory_bytes"]
+    opt.reset_compression_state()
+    after = opt.stats()["local_steps"]
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # what Horovod elastic's sync does
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run(5, 6)
+    theta_is_start = all(torch.equal(opt._local.theta[n], start[n]) for n in start)
+    run(6, 7)
+    return {"held_before": held, "after": after, "theta_is_start": theta_is_start, "digest": digest(model)}
+
+
+def other_world(args, outdir):
+    """A gather_state_dict file written mid-interval at one world size (``args["write"]``), loaded at another
+    (``args["read"]``): the outer state carries over, residuals start empty, the interval restarts from the
+    outer parameters, with a warning."""
+    import warnings
+    import horovod.torch as hvd
+    model = linear_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression=hat.Compression.adtopk(ratio=0.1, **{"min_numel": 0, "hybrid": False}),
+                                   sync_every=3, outer=hat.Outer.nesterov(0.7, 0.9))
+    if args.get("write"):
+        for s in range(4):  # one sync, then one step into the next interval
+            opt.zero_grad()
+            least_squares(model, *batch(hvd.rank(), s)).backward()
+            opt.step()
+        sd = opt.gather_state_dict()
+        if hvd.rank() == 0:
+            torch.save({"model": model.state_dict(), "opt": sd}, args["write"])
+        return {"written": True}
+    ckpt = torch.load(args["read"], weights_only=True)
+    model.load_state_dict(ckpt["model"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(ckpt["opt"])
+    block = ckpt["opt"]["horovod_adtopk"]["local_steps"]
+    local = opt._local
+    return {"warnings": [str(w.message) for w in caught], "step": local.step, "syncs": local.syncs,
+            "params_are_outer": all(torch.equal(p.detach(), block["outer_params"][n]) for n, p in model.named_parameters()),
+            "momentum_kept": all(torch.equal(local.momentum[n], t) for n, t in block["momentum"].items()),
+            "residuals": len(local.memory.residuals)}
+
+
 def join_uneven(args, outdir):
     """Rank 1 runs out of data after one interval and calls hvd.join(); rank 0's later syncs average over the
     active members only (Outer.sgd(1): its parameters become its own local ones)."""
@@ -320,10 +376,13 @@ def ddp_resume(args, outdir):
 def hvd_job(args, outdir):
     """The reference cases; at 2 ranks also the equivalence, the resume, the errors and (last) hvd.join()."""
     out = {"reference": reference_cases(args, outdir)}
+    if args.get("other_world"):
+        out["other_world"] = other_world(args["other_world"], outdir)
     if args.get("all"):
         out["equivalence"] = equivalence({"steps": 8}, outdir)
         out["resume"] = resume({"sync_every": 4, "steps": 16, "stop": 6}, outdir)
         out["errors"] = errors({}, outdir)
+        out["reset"] = reset_interval({}, outdir)
         out["join"] = join_uneven({}, outdir)
     return out
 

@@ -15,6 +15,8 @@ model of DiLoCo and of the error-feedback sparse outer exchange written here fro
 - bad settings raise clear errors; ranks that disagree all raise; ``hvd.join()`` / uneven data.
 """
 import json
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +24,6 @@ import pytest
 
 from tests import reference as ref
 from tests.harness import RanksFailed, run_command, run_ranks
-
-import sys
-import tempfile
 
 IN, OUT, BATCH = 24, 16, 8
 SPARSE_KW = {"min_numel": 0, "hybrid": False}
@@ -161,6 +160,7 @@ def run_ddp(worker: str, np_: int, args: dict, timeout: float = 180.0) -> list:
 
 
 _JOBS: dict = {}
+_CKPT_DIR = tempfile.mkdtemp(prefix="hat-local-ckpt-")
 
 
 def job(engine: str, world: int) -> list:
@@ -169,7 +169,11 @@ def job(engine: str, world: int) -> list:
     key = (engine, world)
     if key not in _JOBS:
         args = {"cases": CASES, "all": world == 2}
-        if engine == "horovod":
+        if engine == "horovod":  # a checkpoint written mid-interval at 2 ranks is loaded at 3
+            ckpt = str(Path(_CKPT_DIR, "two_ranks.pt"))
+            if world == 3:
+                job("horovod", 2)
+            args["other_world"] = {"write": ckpt} if world == 2 else {"read": ckpt}
             _JOBS[key] = run_ranks("local_steps_workers:hvd_job", np=world, args=args, timeout=240)
         else:
             _JOBS[key] = run_ddp("ddp_job", world, args, timeout=240)
@@ -214,7 +218,48 @@ def test_bad_settings_raise_clear_errors():
             assert r["errors"][key] is not None and text in r["errors"][key], (key, r["errors"][key])
 
 
+def test_reset_for_elastic_starts_a_fresh_interval():
+    res = [r["reset"] for r in job("horovod", 2)]
+    for r in res:
+        assert r["held_before"]["residuals"] > 0 and r["held_before"]["outer_momentum"] > 0
+        assert r["after"]["step_in_interval"] == 0
+        assert r["after"]["memory_bytes"] == {"outer_params": 0, "outer_momentum": 0, "residuals": 0, "total": 0}
+        assert r["theta_is_start"]
+    assert res[0]["digest"] == res[1]["digest"]
+
+
+def test_checkpoint_from_another_world_size():
+    for r in job("horovod", 3):
+        got = r["other_world"]
+        assert got["step"] == 0 and got["syncs"] == 1 and got["params_are_outer"] and got["momentum_kept"], got
+        assert got["residuals"] == 0
+        assert any("holds compression state for ranks" in w for w in got["warnings"]), got["warnings"]
+        assert any("interval restarts from the outer parameters" in w for w in got["warnings"]), got["warnings"]
+
+
 def test_horovod_join_uneven_data():
     res = [r["join"] for r in job("horovod", 2)]
     assert res[0]["errors_after_join"] and max(res[0]["errors_after_join"]) < 1e-12, res
     assert res[0]["last_joined"] == res[1]["last_joined"] == 0
+
+
+def test_job_flags():
+    """examples/train.py --sync-every / --outer-lr / --outer-momentum: checks, defaults, the keywords built."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from job import options
+    from job.engine import make_local_steps
+
+    args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"])
+    assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
+    kw = make_local_steps(args)
+    assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    args = options.parse_args(["--compressor", "none", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"])
+    assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert "sync every 5 steps, outer SGD lr 1.0" in options.describe_compression(args)
+    assert make_local_steps(options.parse_args(["--compressor", "none"])) == {}
+    for argv in (["--sync-every", "-1"], ["--sync-every", "2", "--outer-lr", "0"],
+                 ["--sync-every", "2", "--outer-momentum", "1"], ["--sync-every", "2", "--momentum-correction"],
+                 ["--sync-every", "2", "--overlap", "on"], ["--sync-every", "2", "--compressor", "powersgd"]):
+        with pytest.raises(SystemExit) as exc:
+            options.parse_args(argv)
+        assert exc.value.code == 2, argv

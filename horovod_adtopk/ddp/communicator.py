@@ -106,12 +106,12 @@ class ProcessGroupComm:
         except RuntimeError as exc:
             raise peer_lost(exc) from exc
 
-    def sum_tensors(self, tensors: List[torch.Tensor], name: str) -> List[torch.Tensor]:  # noqa: ARG002
+    def sum_tensors(self, tensors: List[torch.Tensor], names: List[str]) -> List[torch.Tensor]:  # noqa: ARG002
         """Every tensor summed over the group, in place, in order."""
         self._wait([self.allreduce_async(t) for t in tensors])
         return list(tensors)
 
-    def gather_tensors(self, tensors: List[torch.Tensor], name: str) -> List[torch.Tensor]:  # noqa: ARG002
+    def gather_tensors(self, tensors: List[torch.Tensor], names: List[str]) -> List[torch.Tensor]:  # noqa: ARG002
         """Every rank's equally sized 1-D tensors, each concatenated in rank order."""
         outs = [torch.empty(self.size() * t.numel(), dtype=t.dtype, device=t.device) for t in tensors]
         self._wait([self.gather_async(o, t) for o, t in zip(outs, tensors)])
