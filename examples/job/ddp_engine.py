@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
 
-from .engine import make_compression, sgd_groups, sparse_parameter_names
+from .engine import make_compression, make_local_steps, sgd_groups, sparse_parameter_names
 
 HOOK_STATE_KEY = "horovod_adtopk_ddp"
 
@@ -109,6 +109,11 @@ class DDPEngine:
         correct = args.momentum_correction and world > 1
         sparse = sparse_parameter_names(model.module, compression, world) if correct else set()
         groups = sgd_groups(model.module, sparse, args.momentum)
+        local_steps = make_local_steps(args)
+        if local_steps:  # each rank steps on its own batch, at the one-rank rate; no gradient hook
+            opt = HookedSGD(groups, lr=lr / world, momentum=args.momentum, weight_decay=args.weight_decay)
+            return hat.ddp.local_steps(opt, model, compression=compression, warmup_steps=args.dense_rounds or 0,
+                                       **local_steps)
         opt = HookedSGD(groups, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
         opt.numel = sum(p.numel() for p in model.parameters())
         opt.step_bytes = 4 * opt.numel
@@ -135,6 +140,8 @@ class DDPEngine:
 
     def checkpoint_state(self, opt: torch.optim.Optimizer) -> dict:
         """Collective: the optimizer state with every rank's hook state (for rank 0 to save)."""
+        if hasattr(opt, "gather_state_dict"):  # local steps (hat.ddp.local_steps)
+            return opt.gather_state_dict()
         sd = torch.optim.SGD.state_dict(opt)
         if opt.hook_state is not None:
             sd[HOOK_STATE_KEY] = opt.hook_state.gather_state_dict()

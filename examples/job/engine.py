@@ -31,6 +31,15 @@ def make_compression(args: argparse.Namespace):
         density_warmup=args.density_warmup, density_start=args.density_start, rank=args.powersgd_rank)
 
 
+def make_local_steps(args: argparse.Namespace) -> dict:
+    """The local-steps keywords of --sync-every / --outer-lr / --outer-momentum ({} when off)."""
+    if not getattr(args, "sync_every", 0):
+        return {}
+    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum) if args.outer_momentum
+             else hat.Outer.sgd(lr=args.outer_lr))
+    return {"sync_every": args.sync_every, "outer": outer}
+
+
 def sparse_parameter_names(model: torch.nn.Module, compression, world: int) -> Set[str]:
     """Names of the parameters the optimizer will send sparsely (the compressor's own per-tensor rule)."""
     if not isinstance(compression, hat.SparseCompressor):
@@ -90,11 +99,14 @@ class HorovodEngine:
         # One process: nothing is communicated, so nothing is compressed; plain SGD momentum everywhere.
         correct = args.momentum_correction and world > 1
         sparse = sparse_parameter_names(model, compression, world) if correct else set()
+        if getattr(args, "sync_every", 0):  # local steps: each rank steps on its own batch, at the one-rank rate
+            lr /= world
         base = torch.optim.SGD(sgd_groups(model, sparse, args.momentum), lr=lr, momentum=args.momentum,
                                weight_decay=args.weight_decay)
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
-                                       overlap={"off": False, "on": True}.get(args.overlap, args.overlap))
+                                       overlap={"off": False, "on": True}.get(args.overlap, args.overlap),
+                                       **make_local_steps(args))
         if correct:
             actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse"}
             if actual != sparse:
