@@ -14,7 +14,9 @@ model of DiLoCo and of the error-feedback sparse outer exchange written here fro
 - a resume in the middle of an interval is bitwise the same as not stopping (both engines);
 - bad settings raise clear errors; ranks that disagree all raise; ``hvd.join()`` / uneven data.
 """
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -151,6 +153,7 @@ def check_reference(results, world):
 
 def run_ddp(worker: str, np_: int, args: dict, timeout: float = 180.0) -> list:
     outdir = tempfile.mkdtemp(prefix="hat-local-ddp-")
+    atexit.register(shutil.rmtree, outdir, True)
     Path(outdir, "args.json").write_text(json.dumps(args))
     rc, log, _ = run_command([sys.executable, "-m", "tests._ddp_launch", str(np_), f"local_steps_workers:{worker}",
                               str(Path(outdir, "args.json")), outdir], timeout=timeout)
@@ -161,6 +164,7 @@ def run_ddp(worker: str, np_: int, args: dict, timeout: float = 180.0) -> list:
 
 _JOBS: dict = {}
 _CKPT_DIR = tempfile.mkdtemp(prefix="hat-local-ckpt-")
+atexit.register(shutil.rmtree, _CKPT_DIR, True)
 
 
 def job(engine: str, world: int) -> list:
