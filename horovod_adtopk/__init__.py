@@ -12,7 +12,7 @@ tensor modules (``horovod_adtopk.selection``, ``wire``, ``models``, ``datasets``
 not installed (e.g. a GPU box used only for kernel benchmarks). ``hat.ddp`` is the PyTorch DDP engine (a
 communication hook, :mod:`horovod_adtopk.ddp`), also without Horovod.
 """
-__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "broadcast_parameters", "ddp"]
+__all__ = ["Compression", "DistributedOptimizer", "Outer", "SparseCompressor", "broadcast_parameters", "ddp"]
 __version__ = "0.1.0"
 
 
@@ -23,6 +23,9 @@ def __getattr__(name):
     if name == "ddp":  # the PyTorch DDP engine (a communication hook); needs no Horovod
         import importlib
         return importlib.import_module(".ddp", __name__)
+    if name == "Outer":  # the outer optimizer of local steps (sync_every=H); needs no framework
+        from .local_steps import Outer
+        return Outer
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer
         return DistributedOptimizer

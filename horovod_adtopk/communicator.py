@@ -29,6 +29,8 @@ class Communicator:
 
     def __init__(self, process_set=None) -> None:
         self.process_set = hvd.global_process_set if process_set is None else process_set
+        #: collectives this communicator has started (every kind; the tests count them)
+        self.collectives = 0
 
     def included(self) -> bool:
         return self.process_set.included()
@@ -40,20 +42,24 @@ class Communicator:
         return self.process_set.rank()
 
     def allreduce_async_(self, tensor: torch.Tensor, name: str, op, prescale: float = 1.0, postscale: float = 1.0):
+        self.collectives += 1
         return hvd.allreduce_async_(tensor, name=name, op=op, prescale_factor=prescale,
                                     postscale_factor=postscale, process_set=self.process_set)
 
     def grouped_allreduce_async_(self, tensors: Sequence[torch.Tensor], name: str, op, prescale: float = 1.0,
                                  postscale: float = 1.0):
+        self.collectives += 1
         return hvd.grouped_allreduce_async_(list(tensors), name=name, op=op, prescale_factor=prescale,
                                             postscale_factor=postscale, process_set=self.process_set)
 
     def allgather_async(self, tensor: torch.Tensor, name: str):
+        self.collectives += 1
         return hvd.allgather_async(tensor, name=name, process_set=self.process_set)
 
     def reducescatter_async(self, tensor: torch.Tensor, name: str):
         """Sum ``tensor`` over the set; member ``i`` receives the ``i``-th slice of dim 0 (Horovod splits dim 0
         as evenly as it can, the first ``n % size`` members one row more)."""
+        self.collectives += 1
         return hvd.reducescatter_async(tensor, name=name, op=hvd.Sum, process_set=self.process_set)
 
     def is_global(self) -> bool:
@@ -62,9 +68,11 @@ class Communicator:
     def sparse_allreduce_async(self, tensor: torch.Tensor, name: str, op):
         """Horovod's aggregation of a sparse (COO) gradient: values and indices allgathered, averaged for
         ``hvd.Average``; :meth:`wait` returns the aggregated sparse tensor."""
+        self.collectives += 1
         return hvd.sparse_allreduce_async(tensor, name=name, op=op, process_set=self.process_set)
 
     def broadcast_async_(self, tensor: torch.Tensor, root_rank: int, name: str):
+        self.collectives += 1
         return hvd.broadcast_async_(tensor, root_rank, name=name, process_set=self.process_set)
 
     @staticmethod
@@ -84,6 +92,21 @@ class Communicator:
 
     def allgather(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return self.wait(self.allgather_async(tensor, name))
+
+    # --- the interface of horovod_adtopk.local_steps (blocking, started together so Horovod fuses them) ---------
+    def sum_tensors(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """Every tensor summed over the set (in place where Horovod can), in order; one name per tensor."""
+        handles = [self.allreduce_async_(t, n, hvd.Sum) for t, n in zip(tensors, names)]
+        return [self.wait(h) for h in handles]
+
+    def gather_tensors(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> List[torch.Tensor]:
+        """Every member's tensors, each concatenated in rank order; one name per tensor."""
+        handles = [self.allgather_async(t, n) for t, n in zip(tensors, names)]
+        return [self.wait(h) for h in handles]
+
+    def active_members(self, name: str) -> int:
+        """How many members have not called ``hvd.join()`` (joined members add zeros to an allreduce)."""
+        return int(self.wait(self.allreduce_async_(torch.ones(1), name, hvd.Sum)).item())
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every member's ``obj`` (plain data only: pickled with the standard library), in rank order."""

@@ -16,7 +16,8 @@ import torch
 
 #: top-level settings compared one by one in the error message (``params`` is compared per parameter)
 SETTINGS = ("compression", "op", "backward_passes_per_step", "gradient_predivide_factor", "groups",
-            "sparse_as_dense", "partial_sparsification", "profile_rounds", "warmup_steps", "process_set", "hierarchical")
+            "sparse_as_dense", "partial_sparsification", "profile_rounds", "warmup_steps", "process_set", "hierarchical",
+            "sync_every", "outer", "engine")
 
 
 def describe(compression: dict, op, backward_passes_per_step: int, gradient_predivide_factor: float,

@@ -459,7 +459,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          backward_passes_per_step: int = 1, op=hvd.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=hvd.global_process_set, *, partial_sparsification: bool = False,
-                         profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False, overlap=False):
+                         profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False, overlap=False,
+                         sync_every: Optional[int] = None, outer=None):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     The arguments of ``hvd.DistributedOptimizer``, in Horovod's order and with its meaning (hooks,
@@ -480,12 +481,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     - ``overlap=True``: error feedback, selection and packing of CPU tensors run on a worker thread while the
       backward pass goes on (:mod:`horovod_adtopk.overlap`; bitwise the same result); ``"auto"``: where the
       rank has a core beyond its torch threads.
+    - ``sync_every=H`` (local steps, DiLoCo / SparseLoCo style): no gradient hooks; each rank steps
+      ``optimizer`` on its own gradients and every H-th ``step()`` exchanges the pseudo-gradient
+      ``theta_outer - theta`` through ``compression`` and applies ``outer`` (default
+      ``hat.Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's); ``warmup_steps`` then counts syncs
+      (:mod:`horovod_adtopk.local_steps`).
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
         opt = hat.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=hat.Compression.adtopk(ratio=0.01))
     """
+    if sync_every is not None or outer is not None:
+        return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                      gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set,
+                                      partial_sparsification, warmup_steps, hierarchical, overlap, sync_every, outer)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in a future "
                       "version of Horovod; horovod_adtopk accepts it with the same meaning.", DeprecationWarning)
@@ -504,3 +514,40 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
                profile_rounds, warmup_steps, hierarchical, overlap)
+
+
+def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
+                           warmup_steps, hierarchical, overlap, sync_every, outer):
+    """``DistributedOptimizer(..., sync_every=H)``: the inner optimizer plus the outer exchange over Horovod."""
+    from . import local_steps
+
+    if sync_every is None:
+        raise ValueError("outer= needs sync_every=H (the local steps between syncs), e.g. sync_every=10")
+    _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, 5, warmup_steps,
+                     sparse_as_dense, partial_sparsification, hierarchical, overlap)
+    refused = [(backward_passes_per_step != 1, "backward_passes_per_step (accumulate gradients before step() "
+                "yourself: nothing is communicated between syncs anyway)"),
+               (op != hvd.Average, "op=hvd.Sum (the pseudo-gradients are averaged)"),
+               (gradient_predivide_factor != 1.0, "gradient_predivide_factor"),
+               (groups is not None and groups != 0, "groups / num_groups"),
+               (partial_sparsification, "partial_sparsification"),
+               (hierarchical is True, "hierarchical=True"), (overlap is True, "overlap=True")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"sync_every does not combine with {what}; leave it at its default")
+    local_steps.check_settings(sync_every, local_steps.Outer.nesterov() if outer is None else outer, compression)
+    comm = Communicator(process_set)
+    if not comm.included():
+        raise ValueError("sync_every: this rank is not a member of process_set; build the optimizer with a process "
+                         "set this rank belongs to")
+    named = _check_named_parameters(named_parameters, optimizer.param_groups)
+    named = [(n, p) for n, p in named if p.requires_grad and _floating(p, n)]
+    local = local_steps.LocalSteps(named, sync_every, local_steps.Outer.nesterov() if outer is None else outer,
+                                   compression, warmup_steps, comm)
+    description = {"compression": _describe_compression(compression), "op": str(op), "engine": "horovod",
+                   "sparse_as_dense": sparse_as_dense, "process_set": comm.size(),
+                   "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(local.infos.items())},
+                   **local.describe()}
+    return local_steps.wrap_optimizer(optimizer, local, lambda d: config_check.check(comm, d), comm.size,
+                                      description, module=_horovod_optimizer.__name__)

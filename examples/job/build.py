@@ -82,7 +82,9 @@ def setup(args: argparse.Namespace, process_start: float) -> Job:
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     warmup = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
     horizon = args.epochs * steps_per_epoch
-    scaled = args.optimizer == "sgd"  # AdamW's peak rate is not scaled by the number of ranks
+    # SGD's peak rate is scaled by the number of ranks; AdamW's is not, nor is the inner optimizer's with local
+    # steps (each rank steps on its own batch, at the one-rank rate)
+    scaled = args.optimizer == "sgd" and not getattr(args, "sync_every", 0)
     opt = engine.make_optimizer(model, args, args.lr * world if scaled else args.lr)
     schedule = dict(world=world, warmup=warmup, kind=args.lr_schedule, horizon=horizon, scaled=scaled)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, **schedule))

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
 
-from .optim import base_optimizer, make_compression, sparse_parameter_names
+from .optim import base_optimizer, make_compression, make_local_steps, sparse_parameter_names
 
 HOOK_STATE_KEY = "horovod_adtopk_ddp"
 
@@ -123,6 +123,11 @@ class DDPEngine:
         compression = None if args.compressor == "powersgd" else make_compression(args)
         correct = args.momentum_correction and world > 1
         sparse = sparse_parameter_names(model.module, compression, world) if correct else set()
+        local_steps = make_local_steps(args)
+        if local_steps:  # each rank steps on its own batch; no gradient hook
+            opt = base_optimizer(model.module, args, lr, sparse, sgd=HookedSGD, adamw=HookedAdamW)
+            return hat.ddp.local_steps(opt, model, compression=compression, warmup_steps=args.dense_rounds or 0,
+                                       **local_steps)
         opt = base_optimizer(model.module, args, lr, sparse, sgd=HookedSGD, adamw=HookedAdamW)
         opt.numel = sum(p.numel() for p in model.parameters())
         opt.step_bytes = 4 * opt.numel
@@ -149,6 +154,8 @@ class DDPEngine:
 
     def checkpoint_state(self, opt: torch.optim.Optimizer) -> dict:
         """Collective: the optimizer state with every rank's hook state (for rank 0 to save)."""
+        if hasattr(opt, "gather_state_dict"):  # local steps (hat.ddp.local_steps)
+            return opt.gather_state_dict()
         sd = opt.base_state_dict()
         if opt.hook_state is not None:
             sd[HOOK_STATE_KEY] = opt.hook_state.gather_state_dict()

@@ -20,7 +20,8 @@ import horovod_adtopk as hat
 
 from .common import HOROVODRUN_VARS, MPI_LAUNCHER_VARS
 # the optimizer and compressor builders need no Horovod (the DDP engine uses them too); re-exported here
-from .optim import adamw_groups, base_optimizer, make_compression, sgd_groups, sparse_parameter_names  # noqa: F401
+from .optim import (adamw_groups, base_optimizer, make_compression, make_local_steps,  # noqa: F401
+                    sgd_groups, sparse_parameter_names)
 
 
 def init_horovod() -> str:
@@ -67,7 +68,8 @@ class HorovodEngine:
         base = base_optimizer(model, args, lr, sparse)
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
-                                       overlap={"off": False, "on": True}.get(args.overlap, args.overlap))
+                                       overlap={"off": False, "on": True}.get(args.overlap, args.overlap),
+                                       **make_local_steps(args))
         if correct:
             actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse"}
             if actual != sparse:

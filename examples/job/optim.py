@@ -22,6 +22,15 @@ def make_compression(args: argparse.Namespace):
         density_warmup=args.density_warmup, density_start=args.density_start, rank=args.powersgd_rank)
 
 
+def make_local_steps(args: argparse.Namespace) -> dict:
+    """The local-steps keywords of --sync-every / --outer-lr / --outer-momentum ({} when off)."""
+    if not getattr(args, "sync_every", 0):
+        return {}
+    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum) if args.outer_momentum
+             else hat.Outer.sgd(lr=args.outer_lr))
+    return {"sync_every": args.sync_every, "outer": outer}
+
+
 def sparse_parameter_names(model: torch.nn.Module, compression, world: int) -> Set[str]:
     """Names of the parameters the optimizer will send sparsely (the compressor's own per-tensor rule)."""
     if not isinstance(compression, hat.SparseCompressor):

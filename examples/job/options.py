@@ -47,6 +47,43 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
 
+def _add_local_steps_flags(p: argparse.ArgumentParser) -> None:
+    """Local steps with an outer exchange (DiLoCo / SparseLoCo style; both engines): the compressor then
+    compresses the pseudo-gradient of each sync, and --dense-rounds / --density-warmup count syncs."""
+    g = p.add_argument_group("local steps (synchronizing rarely)")
+    g.add_argument("--sync-every", type=int, default=0,
+                   help="run H local optimizer steps per rank with no communication, then exchange the pseudo-"
+                        "gradient through --compressor and apply the outer optimizer (0: off, every step averaged)")
+    g.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (DiLoCo's 0.7)")
+    g.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="outer Nesterov momentum (DiLoCo's 0.9; 0: plain outer SGD, SparseLoCo's choice)")
+
+
+def _resolve_local_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks of the local-steps flags; with --sync-every no momentum correction and, unless given, no
+    compression warm-up (its rounds would be syncs)."""
+    if args.sync_every < 0:
+        p.error("--sync-every must be >= 0 (0: off)")
+    if not args.sync_every:
+        return
+    if not args.outer_lr > 0:
+        p.error("--outer-lr must be > 0")
+    if not 0.0 <= args.outer_momentum < 1.0:
+        p.error("--outer-momentum must lie in [0, 1)")
+    if args.compressor == "powersgd":
+        p.error("--sync-every compresses the pseudo-gradient with adtopk, adtopk_i, topk, fp16 or none, not powersgd")
+    if args.momentum_correction:
+        p.error("--momentum-correction does not apply with --sync-every (the inner SGD keeps its own momentum)")
+    if args.overlap == "on":
+        p.error("--overlap does not apply with --sync-every (nothing is communicated during the backward pass)")
+    args.momentum_correction = False
+    args.overlap = "off"
+    if args.dense_rounds is None:
+        args.dense_rounds = 0
+    if args.density_warmup is None:
+        args.density_warmup = 0
+
+
 def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None,
@@ -125,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs several processes on one GPU, which NCCL refuses)")
     _add_compression_flags(p)
     _add_optimizer_flags(p)
+    _add_local_steps_flags(p)
     p.add_argument("--seq-len", type=int, default=None,
                    help="shakespeare window length, the gpt's context (default: 64 lstm, 128 gpt)")
     p.add_argument("--lstm-hidden", type=int, default=256)
@@ -152,6 +190,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 setattr(args, key, value)
     args.betas = tuple(args.betas)
     _check_ranges(p, args)
+    _resolve_local_steps(p, args)
     _resolve_warmup(p, args)
     _resolve_compression(p, args)
     return args
@@ -264,6 +303,10 @@ def describe_compression(args: argparse.Namespace) -> str:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
                  if args.momentum_correction else f", {base}")
+    if getattr(args, "sync_every", 0):
+        outer = (f"Nesterov lr {args.outer_lr} momentum {args.outer_momentum}" if args.outer_momentum
+                 else f"SGD lr {args.outer_lr}")
+        text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
     parts = []
     if args.dense_rounds:
         parts.append(f"{args.dense_rounds} dense rounds")

@@ -18,6 +18,8 @@ Works with Gloo and NCCL, CPU and CUDA tensors, ``no_sync()`` (a round is a comm
 ``find_unused_parameters`` (an unused parameter contributes nothing and keeps its memory),
 ``static_graph`` and ``gradient_as_bucket_view``. Always averages (DDP's semantics). Not supported: our
 PowerSGD (use PyTorch's ``powerSGD_hook``), sparse gradients (``nn.Embedding(sparse=True)``).
+
+Local steps with a sparse outer exchange (DiLoCo / SparseLoCo style): :func:`local_steps` (:mod:`.local`).
 """
 import torch
 import torch.distributed as dist
@@ -25,7 +27,9 @@ import torch.distributed as dist
 from .communicator import PeerLostError, ProcessGroupComm
 from .state import CompressionState
 
-__all__ = ["CompressionState", "PeerLostError", "ProcessGroupComm", "hook", "register"]
+from .local import local_steps
+
+__all__ = ["CompressionState", "PeerLostError", "ProcessGroupComm", "hook", "local_steps", "register"]
 
 
 def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -39,6 +39,8 @@ class ProcessGroupComm:
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.backend = str(dist.get_backend(self.group)).lower()
         self._single_ok = True  # whether all_gather_single works here (else all_gather into views)
+        #: collectives this communicator has started (every kind; the tests count them)
+        self.collectives = 0
 
     def size(self) -> int:
         return dist.get_world_size(self.group)
@@ -56,11 +58,13 @@ class ProcessGroupComm:
 
     def allreduce_async(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Sum ``tensor`` in place across ranks; the future completes when it holds the sum."""
+        self.collectives += 1
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
 
     def gather_async(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.futures.Future:
         """Every rank's equally sized 1-D ``tensor`` into ``out`` (rank order). One ``all_gather_single``;
         where the backend lacks it for these tensors, an ``all_gather`` into views of ``out`` (no copy)."""
+        self.collectives += 1
         if self._single_ok:
             try:
                 return _GATHER_SINGLE(out, tensor, group=self.group, async_op=True).get_future()
@@ -86,8 +90,42 @@ class ProcessGroupComm:
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:  # noqa: ARG002
         out: List[Any] = [None] * self.size()
+        self.collectives += 1
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except RuntimeError as exc:
             raise peer_lost(exc) from exc
         return out
+
+    # --- the interface of horovod_adtopk.local_steps (blocking; started together, then waited for) -------------
+    @staticmethod
+    def _wait(futures: List[torch.futures.Future]) -> None:
+        try:
+            for f in futures:
+                f.wait()
+        except RuntimeError as exc:
+            raise peer_lost(exc) from exc
+
+    def sum_tensors(self, tensors: List[torch.Tensor], names: List[str]) -> List[torch.Tensor]:  # noqa: ARG002
+        """Every tensor summed over the group, in place, in order."""
+        self._wait([self.allreduce_async(t) for t in tensors])
+        return list(tensors)
+
+    def gather_tensors(self, tensors: List[torch.Tensor], names: List[str]) -> List[torch.Tensor]:  # noqa: ARG002
+        """Every rank's equally sized 1-D tensors, each concatenated in rank order."""
+        outs = [torch.empty(self.size() * t.numel(), dtype=t.dtype, device=t.device) for t in tensors]
+        self._wait([self.gather_async(o, t) for o, t in zip(outs, tensors)])
+        return outs
+
+    def active_members(self, name: str) -> int:  # noqa: ARG002
+        """Every member is active (the DDP engine has no join protocol)."""
+        return self.size()
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Blocking: ``tensor`` becomes rank ``src``'s (``src`` is a rank of the group)."""
+        self.collectives += 1
+        try:
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group is not dist.group.WORLD
+                           else src, group=self.group)
+        except RuntimeError as exc:
+            raise peer_lost(exc) from exc

@@ -1,0 +1,458 @@
+"""Local steps with an outer exchange (DiLoCo / SparseLoCo style): the engine-free layer above the exchanges.
+
+Every rank runs ``H = sync_every`` steps of its own optimizer (the *inner* optimizer) without communicating.
+At every H-th step, per trainable tensor (in sorted-name order, identically on every rank)::
+
+    delta_r      = theta_outer - theta_r                 the pseudo-gradient of rank r (W ranks)
+    a_r          = delta_r + e_r                         error feedback (rank-private residual e_r)
+    e_r         <- a_r - D(C(a_r))                       C: any of our fixed-size compressors, or dense
+    Delta        = (1/W) sum_r D(C(a_r))                 allgather of sparse payloads / allreduce of dense
+    b           <- mu b + Delta                          outer momentum (Outer.nesterov / Outer.momentum)
+    theta_outer <- theta_outer - lr (Delta + mu b)       Nesterov; plain momentum: lr b; Outer.sgd: lr Delta
+    theta_r     <- theta_outer                           every rank continues from the same bits
+
+(DiLoCo: dense, ``Outer.nesterov(lr=0.7, momentum=0.9)``, AdamW inside. SparseLoCo's recipe is error feedback
+on a sparse pseudo-gradient *instead of* outer momentum: a sparse compressor with ``Outer.sgd(lr)``.)
+
+A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 1-D tensors, ``min_numel``,
+the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
+which a member has joined (Horovod's ``hvd.join()``: joined members add zeros, so the sum is divided by the
+number of active members). A dense tensor of the sparse path sends ``a_r`` (its residual released), as on the
+per-step path. With one process nothing is communicated; the outer step still runs on the local delta.
+
+Between syncs nothing is communicated. A sync costs, per rank: the sparse payloads (one allgather per
+tensor), the dense tensors (one allreduce each, fused by the engine) and, on Horovod, a 4-byte join query.
+
+Memory: the outer parameters (one copy of every trainable parameter, in its dtype), the outer momentum
+buffer (another copy, when ``momentum > 0``) and the residuals of the sparse-path tensors (error feedback):
+``LocalSteps.memory_bytes()`` counts what is held.
+
+This module owns the outer state and its math; it imports neither Horovod nor ``torch.distributed``. The
+engines hand it a communicator with ``size()``, ``rank()``, ``sum_tensors(tensors, names)``,
+``gather_tensors(tensors, names)`` (blocking; each rank's tensors have the same sizes on every rank) and
+``active_members(name)`` (:class:`horovod_adtopk.communicator.Communicator` and
+:class:`horovod_adtopk.ddp.communicator.ProcessGroupComm` have them). The optimizer surface both engines
+return is :func:`wrap_optimizer`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import state as layout
+from .compressors import TensorInfo, is_sparse
+from .memory import ErrorFeedback
+from .sparsify import Sparsifier, aggregate_blocks, dense_contribution
+from .stats import Stats
+from .wire import pack, payload_bytes
+
+#: key of the local-steps block in ``opt.state_dict()[horovod_adtopk.state.STATE_KEY]``
+STATE_BLOCK = "local_steps"
+
+
+class Outer:
+    """Settings of the outer optimizer: SGD with optional (Nesterov) momentum on the averaged pseudo-gradient.
+
+    ``Outer.nesterov(lr=0.7, momentum=0.9)`` is DiLoCo's; ``Outer.sgd(lr=1.0)`` applies the average as it is
+    (with ``sync_every=1`` and a dense exchange this is ordinary data parallelism: ``theta_outer - mean(delta)``
+    is the mean of the ranks' parameters after their step)."""
+
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
+            raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"outer momentum must be a number in [0, 1), got {momentum!r}")
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be True or False, got {nesterov!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("Nesterov needs an outer momentum > 0; use Outer.sgd(lr) for none")
+        self.lr, self.momentum, self.nesterov = float(lr), float(momentum), nesterov
+
+    @classmethod
+    def nesterov(cls, lr: float = 0.7, momentum: float = 0.9) -> "Outer":
+        """DiLoCo's outer optimizer (defaults from the paper)."""
+        return cls(lr, momentum, nesterov=True)
+
+    @classmethod
+    def momentum_sgd(cls, lr: float, momentum: float) -> "Outer":
+        """Heavy-ball momentum: ``theta <- theta - lr b``."""
+        return cls(lr, momentum, nesterov=False)
+
+    @classmethod
+    def sgd(cls, lr: float = 1.0) -> "Outer":
+        """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum)."""
+        return cls(lr, 0.0, nesterov=False)
+
+    def config(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
+
+    def __repr__(self) -> str:
+        return f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov})"
+
+    def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
+        """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
+        if buf is None:
+            theta.add_(average, alpha=-self.lr)
+            return
+        buf.mul_(self.momentum).add_(average)
+        update = average.add(buf, alpha=self.momentum) if self.nesterov else buf
+        theta.add_(update, alpha=-self.lr)
+
+
+def check_settings(sync_every, outer, compression) -> None:
+    """Refuse settings the outer exchange cannot run (before anything is built)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, numbers.Integral) or sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1 (the number of local steps between syncs), got {sync_every!r}")
+    if not isinstance(outer, Outer):
+        raise TypeError(f"outer must be a horovod_adtopk.Outer, e.g. hat.Outer.nesterov(lr=0.7, momentum=0.9), "
+                        f"got {outer!r}")
+    if is_sparse(compression):
+        if hasattr(compression, "make_exchange") or not compression.gathers:
+            raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
+                             "rounds or shared positions); with sync_every use adtopk, adtopk_i, topk, fp16 or none")
+        if compression.variable_count:
+            raise ValueError(f"{compression!r} sends a variable number of entries, which the outer exchange does "
+                             "not carry; with sync_every use a fixed-size rule: adtopk, adtopk_i or topk")
+
+
+class LocalSteps:
+    """The outer state of one rank: outer parameters, outer momentum, pseudo-gradient residuals, counters.
+
+    Args:
+        named_parameters: ``(name, tensor)`` pairs of the trainable parameters (unique names).
+        sync_every: H, the inner steps per sync.
+        outer: the outer optimizer's settings.
+        compression: a fixed-size sparse compressor, a dense Horovod-style one (``compress``/``decompress``,
+            e.g. ``Compression.fp16``) or None (dense).
+        warmup_syncs: the first N syncs travel dense.
+        comm: the engine's communicator (module docstring).
+    """
+
+    def __init__(self, named_parameters, sync_every: int, outer: Outer, compression, warmup_syncs: int, comm) -> None:
+        check_settings(sync_every, outer, compression)
+        self.sync_every, self.outer, self.comm = int(sync_every), outer, comm
+        self.warmup_syncs = int(warmup_syncs)
+        self.params: List[Tuple[str, torch.Tensor]] = sorted(
+            ((n, p) for n, p in named_parameters if p.requires_grad), key=lambda kv: kv[0])
+        self.compression = compression
+        self.sparse = is_sparse(compression)
+        self.dense_compression = None if self.sparse else compression
+        self.memory = ErrorFeedback(compression.momentum) if self.sparse and compression.error_feedback else None
+        self.sparsifier = Sparsifier(compression, self.memory) if self.sparse else None
+        self.infos = {n: TensorInfo(n, tuple(p.shape), p.numel(), p.dtype) for n, p in self.params}
+        self.stats = Stats()
+        self.step = 0  # inner steps done in the current interval
+        self.syncs = 0  # syncs completed (drives the warm-up, the density warm-up, ADTopk-I)
+        self.theta: Optional[Dict[str, torch.Tensor]] = None  # outer parameters, taken at the first step
+        self.momentum: Dict[str, torch.Tensor] = {}
+        self.sync_seconds = 0.0
+        self.sparse_path: Dict[str, bool] = {}
+        self.plan()
+
+    # --- set-up -----------------------------------------------------------------------------------------------
+    def plan(self) -> None:
+        """Each tensor's path, by the compressor's per-step rule at the current world size."""
+        world = self.comm.size()
+        for name, info in self.infos.items():
+            sparse, reason = self.compression.choose_path(info, world) if self.sparse else (False, "dense compressor")
+            self.sparse_path[name] = sparse
+            self.stats.set_path(name, info.numel, sparse, reason)
+
+    def describe(self) -> dict:
+        """What every rank must agree on (for the configuration check)."""
+        return {"sync_every": self.sync_every, "outer": self.outer.config(), "warmup_steps": self.warmup_syncs}
+
+    def begin(self) -> None:
+        """Before the first inner step (after the initial broadcast): the outer parameters are a copy of the
+        parameters."""
+        if self.theta is None:
+            self.theta = {n: p.detach().clone(memory_format=torch.contiguous_format) for n, p in self.params}
+
+    def memory_bytes(self) -> dict:
+        """Bytes held beyond the model: outer parameters, outer momentum, residuals (and DGC velocities)."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        out = {"outer_params": size((self.theta or {}).values()), "outer_momentum": size(self.momentum.values()),
+               "residuals": 0}
+        if self.memory is not None:
+            out["residuals"] = size(self.memory.residuals.values()) + size(self.memory.velocities.values())
+        out["total"] = sum(out.values())
+        return out
+
+    # --- the interval -----------------------------------------------------------------------------------------
+    def after_step(self) -> bool:
+        """Count one inner step; at the H-th, sync. Returns whether this step synced."""
+        self.begin()
+        self.step += 1
+        for name, info in self.infos.items():  # the per-step dense baseline of "bytes sent vs dense"
+            self.stats.record(name, info.numel, 0, 0)
+        self.stats.steps += 1
+        if self.step < self.sync_every:
+            return False
+        start = time.perf_counter()
+        self.sync()
+        self.sync_seconds += time.perf_counter() - start
+        self.step = 0
+        return True
+
+    def sync(self) -> None:
+        """The outer exchange and step (module docstring); every rank calls it at the same step."""
+        world = self.comm.size()
+        active = self.comm.active_members("hat.outer.active") if world > 1 else 1
+        dense_round = self.syncs < self.warmup_syncs or active < world or world == 1
+        dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
+        sparse: List[Tuple[str, object]] = []  # (name, selection)
+        with torch.no_grad():
+            for name, p in self.params:
+                delta = self.theta[name] - p.detach()
+                info = self.infos[name]
+                if self.sparse_path[name] and not dense_round:
+                    sparse.append((name, self.sparsifier.select(delta, info, self.syncs)))
+                    continue
+                released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
+                wire = released if released is not None else delta
+                ctx = None
+                if self.dense_compression is not None and world > 1:
+                    wire, ctx = self.dense_compression.compress(wire)
+                dense.append((name, wire, ctx))
+            averages = self._exchange(dense, sparse, world, active)
+            for name, p in self.params:
+                theta, avg = self.theta[name], averages[name]
+                buf = None
+                if self.outer.momentum > 0:
+                    buf = self.momentum.get(name)
+                    if buf is None:
+                        buf = self.momentum[name] = torch.zeros_like(theta)
+                self.outer.apply(theta, avg, buf)
+                p.copy_(theta)
+        if self.sparsifier is not None and self.sparsifier.scrub_nonfinite():
+            self.stats.nonfinite_steps += 1
+        self.syncs += 1
+
+    def _exchange(self, dense, sparse, world: int, active: int) -> Dict[str, torch.Tensor]:
+        """Average every rank's contribution: the dense ones summed, the sparse payloads gathered."""
+        out: Dict[str, torch.Tensor] = {}
+        if world == 1:
+            for name, wire, _ in dense:
+                out[name] = wire.view(self.infos[name].shape)
+            return out
+        if dense:
+            sums = self.comm.sum_tensors([w for _, w, _ in dense], [f"hat.outer.dense.{n}" for n, _, _ in dense])
+            for (name, wire, ctx), summed in zip(dense, sums):
+                if ctx is not None:
+                    summed = self.dense_compression.decompress(summed, ctx)
+                self.stats.tensors[name].bytes_sent += payload_bytes(wire)
+                self.stats.tensors[name].elements_sent += wire.numel()
+                self.stats.bytes_sent += payload_bytes(wire)
+                self.stats.elements_sent += wire.numel()
+                out[name] = summed.to(self.infos[name].dtype).div_(active).view(self.infos[name].shape)
+        if sparse:
+            c = self.compression
+            payloads = [pack(s.wire_values, s.wire_index, c.wire_value_dtype(self.infos[n].dtype), s.codec.index_dtype)
+                        for n, s in sparse]
+            gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
+            for (name, s), payload, blocks in zip(sparse, payloads, gathered):
+                info = self.infos[name]
+                self.stats.tensors[name].bytes_sent += payload_bytes(payload)
+                self.stats.tensors[name].elements_sent += s.values.numel()
+                self.stats.bytes_sent += payload_bytes(payload)
+                self.stats.elements_sent += s.values.numel()
+                avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
+                aggregate_blocks(avg, blocks, [s.codec.count] * world, s.codec, c.wire_value_dtype(info.dtype),
+                                 1.0 / world)
+                out[name] = avg.view(info.shape)
+        return out
+
+    # --- state ------------------------------------------------------------------------------------------------
+    def local_entry(self) -> dict:
+        """This rank's private state (residuals, adaptive compressor state), in :mod:`horovod_adtopk.state`'s
+        per-rank layout; in the middle of an interval also this rank's own parameters, which then differ from
+        every other rank's (so that one file written by rank 0 restores every rank exactly)."""
+        entry = layout.local_entry(self.memory, self.compression, self.sparse)
+        if self.step > 0:
+            entry["local_params"] = {n: p.detach().clone() for n, p in self.params}
+        return entry
+
+    def restore_local(self, entry: Optional[dict]) -> None:
+        """After :meth:`load_shared`: a checkpoint written mid-interval puts this rank's own parameters back
+        (so load the model's state *before* the optimizer's). Without this rank's entry (another world size, or
+        another rank's ``state_dict()``) the interval restarts from the outer parameters, with a warning."""
+        if self.step == 0:
+            return
+        local = (entry or {}).get("local_params")
+        if local is None:
+            warnings.warn(f"horovod_adtopk: the checkpoint was written {self.step} steps into an interval but holds no "
+                          "local parameters for this rank (another world size, or another rank's state_dict()); the "
+                          "interval restarts from the outer parameters. Save with opt.gather_state_dict() to resume "
+                          "exactly.")
+            self.step, local = 0, self.theta or {}
+        for n, t in local.items():
+            if n not in self.infos or tuple(t.shape) != self.infos[n].shape:
+                raise ValueError(f"local parameters of {n!r} in the checkpoint do not fit the model")
+        with torch.no_grad():
+            for n, p in self.params:
+                p.copy_(local[n])
+
+    def shared_state(self) -> dict:
+        """State every rank holds identically: settings, counters, outer parameters and momentum."""
+        return {"sync_every": self.sync_every, "outer": self.outer.config(), "step": self.step, "syncs": self.syncs,
+                "outer_params": {n: t.detach().clone() for n, t in (self.theta or {}).items()},
+                "momentum": {n: t.detach().clone() for n, t in self.momentum.items()}}
+
+    def check_shared(self, block: Optional[dict]) -> None:
+        """Refuse a saved block that does not fit these settings or this model (nothing changes)."""
+        if block is None:
+            raise ValueError("the checkpoint has no local-steps state (it was written without sync_every); "
+                             "resume with the settings it was written with")
+        saved = {"sync_every": block.get("sync_every"), "outer": block.get("outer")}
+        mine = {"sync_every": self.sync_every, "outer": self.outer.config()}
+        if saved != mine:
+            raise ValueError(f"checkpoint was written with local steps {saved}, but this optimizer uses {mine}; "
+                             "resume with the same sync_every and outer settings")
+        for store in ("outer_params", "momentum"):
+            for n, t in block[store].items():
+                if n not in self.infos or tuple(t.shape) != self.infos[n].shape:
+                    raise ValueError(f"local-steps {store} entry {n!r} (shape {tuple(t.shape)}) does not fit the model")
+
+    def load_shared(self, block: dict) -> None:
+        devices = {n: p.device for n, p in self.params}
+        place = lambda n, t: t.detach().to(devices[n], copy=True).contiguous()  # noqa: E731
+        self.step, self.syncs = int(block["step"]), int(block["syncs"])
+        self.theta = {n: place(n, t) for n, t in block["outer_params"].items()} or None
+        self.momentum = {n: place(n, t) for n, t in block["momentum"].items()}
+
+    def reset(self) -> None:
+        """Forget everything rank-private and start a fresh interval from the current parameters (an elastic
+        membership change: the residuals belong to data partitions that no longer exist, a new member has no
+        outer state; the momentum is dropped so that every member starts from the same outer state)."""
+        if self.memory is not None:
+            self.memory.reset()
+        if self.sparse:
+            self.compression.reset_state()
+            self.sparsifier.nonfinite.clear()
+        self.theta, self.momentum, self.step = None, {}, 0
+        self.plan()
+
+    def report(self) -> dict:
+        return {"sync_every": self.sync_every, "outer": self.outer.config(), "step_in_interval": self.step,
+                "syncs": self.syncs, "warmup_syncs": self.warmup_syncs, "sync_seconds": self.sync_seconds,
+                "memory_bytes": self.memory_bytes()}
+
+
+# --- the optimizer surface, shared by both engines ----------------------------------------------------------------
+
+class _LocalStepsOptimizer(torch.optim.Optimizer):
+    # Methods copied into a class made per wrapped optimizer type (as Horovod does): ``super(self.__class__, ...)``.
+
+    def __init__(self, params, local: LocalSteps, check_config, world, description: dict) -> None:
+        super(self.__class__, self).__init__(params)
+        self._local, self._check_config_fn, self._world_fn = local, check_config, world
+        self._description, self._config_checked = description, False
+
+    def _check_config(self) -> None:
+        if not self._config_checked:
+            self._config_checked = True
+            if self._local.comm.size() > 1:
+                self._check_config_fn(self._description)
+
+    def step(self, closure=None):
+        """The inner optimizer's step on this rank's gradients; every ``sync_every``-th step also the outer
+        exchange and step (a collective: every rank must call ``step()`` equally often)."""
+        self._check_config()
+        self._local.begin()
+        loss = super(self.__class__, self).step(closure)
+        self._local.after_step()
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to do: gradients stay local (Horovod's API kept so clipping code runs unchanged)."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def _wrap(self, ranks: dict) -> dict:
+        ours = layout.wrap(self._local.syncs, self._world_fn(), self._description["compression"], ranks, None)
+        ours[STATE_BLOCK] = self._local.shared_state()
+        return ours
+
+    def state_dict(self):
+        """The inner optimizer's state plus, under ``"horovod_adtopk"``, the outer state and this rank's residuals."""
+        sd = super(self.__class__, self).state_dict()
+        sd[layout.STATE_KEY] = self._wrap({self._local.comm.rank(): self._local.local_entry()})
+        return sd
+
+    def gather_state_dict(self):
+        """Collective: like ``state_dict()`` with every rank's private state: residuals, the inner optimizer's
+        state (each rank's moments differ: its own gradients) and, mid-interval, its parameters; one file
+        written by rank 0 restores every rank exactly."""
+        sd = super(self.__class__, self).state_dict()
+        mine = dict(self._local.local_entry(), inner_optimizer=sd)
+        comm = self._local.comm
+        entries = comm.allgather_object(mine, "hat.outer.gather_state") if comm.size() > 1 else [mine]
+        sd = dict(sd)
+        sd[layout.STATE_KEY] = self._wrap(dict(enumerate(entries)))
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Load the model's state first. Validated before anything changes. The outer state is restored
+        whatever the world size; this rank's residuals, inner optimizer state and mid-interval parameters
+        where the checkpoint holds this rank's entry of the same world size (else the file's top-level inner
+        state, empty residuals and a restart of the interval from the outer parameters, with a warning)."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop(layout.STATE_KEY, None)
+        local = self._local
+        entry = None
+        if ours is not None:
+            local.check_shared(ours.get(STATE_BLOCK))
+            entry = layout.unwrap(ours, self._description["compression"], local.comm.rank(), self._world_fn(),
+                                  local.memory, {n: i.shape for n, i in local.infos.items()})
+        inner = entry.get("inner_optimizer") if entry is not None else None
+        super(self.__class__, self).load_state_dict(inner if inner is not None else state_dict)
+        if ours is None:
+            return
+        local.load_shared(ours[STATE_BLOCK])
+        local.restore_local(entry)
+        if entry is None:
+            if local.memory is not None:
+                local.memory.reset()
+            if local.sparse:
+                local.compression.reset_state()
+            return
+        layout.restore(entry, local.memory, local.compression if local.sparse else None,
+                       {n: p.device for n, p in local.params})
+
+    def reset_compression_state(self) -> None:
+        """For Horovod elastic's reset callbacks: drop the residuals, the outer momentum and the interval, and
+        start a fresh interval from the (re-broadcast) parameters at the next step; check the configuration
+        again with the new members."""
+        self._local.reset()
+        self._config_checked = False
+        self._description = dict(self._description, process_set=self._local.comm.size())
+
+    def stats(self) -> dict:
+        """Counters of this rank: ``bytes_dense`` is what a dense allreduce at *every* step would have sent."""
+        local = self._local
+        out = local.stats.as_dict()
+        out.update(compressor=self._description["compression"], world_size=local.comm.size(), round=local.syncs,
+                   local_steps=local.report())
+        return out
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, local: LocalSteps, check_config, world, description: dict,
+                   module: Optional[str] = None) -> torch.optim.Optimizer:
+    """A subclass of ``optimizer``'s class whose ``step()`` adds the outer exchange (no gradient hooks).
+
+    ``check_config(description)`` is the engine's collective configuration check (run at the first step),
+    ``world()`` its world size; ``module``, when given, becomes the class's ``__module__`` (Horovod's
+    ``broadcast_optimizer_state`` then steps the inner optimizer, never the outer exchange)."""
+    namespace = dict(_LocalStepsOptimizer.__dict__)
+    if module is not None:
+        namespace["__module__"] = module
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    return cls(optimizer.param_groups, local, check_config, world, description)
