@@ -1,0 +1,115 @@
+"""Issue 30: the DDP engine inside the training frameworks, each through its own launcher, on 2 real processes.
+
+For each framework the example under ``examples/frameworks/`` runs as a user would run it (``Trainer(devices=2)``,
+``accelerate launch``, ``torchrun``) and writes every rank's digests with ``--report``. Checked against an
+independent reference, the same training as a plain ``DistributedDataParallel`` loop with ``no_sync()`` by hand
+(``tests/framework_workers.py``, the hook itself being checked against numpy in tests/test_ddp.py):
+
+- compression happens: bytes sent well under dense;
+- the ranks end with bitwise identical parameters;
+- gradient accumulation: one round per optimizer step, parameters *and* every rank's residuals bitwise equal
+  to the reference's (a hook fired on every micro-batch, or a residual fed one micro-batch, would differ);
+- the framework's own checkpoint carries every rank's residuals: a run resumed from it ends bitwise where the
+  run that did not stop ends.
+
+Each framework's tests skip, with the reason, when its package is not installed (``scripts/setup.sh`` installs
+the ``integrations`` extra). Every job runs under ``tests.harness.run_command``'s timeout (kills the whole
+process tree).
+"""
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, run_command
+from tests.test_ddp import run_ddp
+
+EXAMPLES = REPO / "examples" / "frameworks"
+ENV = {"GLOO_SOCKET_IFNAME": "lo", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def needs(module: str, package: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{package} is not installed (scripts/setup.sh installs it: pip install .[integrations])")
+
+
+def run_example(cmd: list, report: Path, timeout: float = 180.0) -> list:
+    """Run one example command under the harness timeout; return its ``--report`` (one entry per rank)."""
+    rc, log, seconds = run_command(cmd + ["--report", str(report)], timeout=timeout, env=ENV)
+    assert rc == 0, f"{' '.join(cmd)}: exit {rc} (None: timed out after {timeout:.0f} s and was killed)\n{log[-12000:]}"
+    return json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The plain-DDP reference for every sharding the frameworks use, per rank."""
+    runs = [{"name": s, "sharding": s, "epochs": 2, "accumulate": 2, "ratio": 0.01} for s in ("shuffled", "sample", "batch")]
+    rc, log, outdir, _ = run_ddp("framework_workers:plain_reference", 2, {"runs": runs}, timeout=120)
+    assert rc == 0, f"reference: exit {rc}\n{log[-12000:]}"
+    return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def check_against(ranks: list, reference: list, sharding: str, rounds: int) -> None:
+    assert len(ranks) == 2
+    assert ranks[0]["params"] == ranks[1]["params"], "the ranks' parameters differ"
+    for r, entry in enumerate(ranks):
+        ref = reference[r][sharding]
+        assert entry["round"] == rounds == ref["round"], f"rank {r}: {entry['round']} rounds, {rounds} optimizer steps"
+        assert entry["params"] == ref["params"], f"rank {r}: parameters differ from the plain-DDP reference"
+        assert entry["residuals"] == ref["residuals"], f"rank {r}: residuals differ from the plain-DDP reference"
+    assert ranks[0]["residuals"] != ranks[1]["residuals"]  # rank-private memory (so a rank-0-only save would lose some)
+
+
+def check_compressed(ranks: list) -> None:
+    for entry in ranks:
+        assert 0 < entry["bytes_sent"] < 0.1 * entry["bytes_dense"], entry
+
+
+# --- PyTorch Lightning ------------------------------------------------------------------------------------------
+
+@needs("pytorch_lightning", "pytorch-lightning")
+def test_lightning_accumulation_checkpoint_resume(reference, tmp_path):
+    """``Trainer(devices=2, accumulate_grad_batches=2)`` + ``DDPCompression``: 2 epochs of 4 steps; resumed from
+    the epoch-0 checkpoint ``ModelCheckpoint`` wrote, bitwise the same end."""
+    script = [sys.executable, str(EXAMPLES / "lightning_ddp.py"), "--ckpt-dir", str(tmp_path / "ckpt")]
+    straight = run_example(script, tmp_path / "straight.json")
+    check_compressed(straight)
+    check_against(straight, reference, "shuffled", rounds=8)
+    ckpt = tmp_path / "ckpt" / "epoch=0.ckpt"
+    saved = __import__("torch").load(ckpt, weights_only=False)["callbacks"]["horovod_adtopk.DDPCompression"]
+    assert sorted(saved["ranks"]) == [0, 1] and saved["round"] == 4  # every rank's residuals, in rank 0's file
+    resumed = run_example([sys.executable, str(EXAMPLES / "lightning_ddp.py"), "--resume", str(ckpt)],
+                          tmp_path / "resumed.json")
+    for a, b in zip(straight, resumed):
+        assert (a["params"], a["residuals"], a["round"]) == (b["params"], b["residuals"], b["round"])
+
+
+@needs("pytorch_lightning", "pytorch-lightning")
+def test_lightning_refuses_the_strategy_hook(tmp_path):
+    """``DDPStrategy(ddp_comm_hook=...)`` next to the callback: a clear error (on CPU Lightning skips that hook)."""
+    code = ("import torch, pytorch_lightning as pl\n"
+            "from pytorch_lightning.strategies import DDPStrategy\n"
+            "import horovod_adtopk as hat\n"
+            "from horovod_adtopk.integrations.lightning import DDPCompression\n"
+            "import sys; sys.path.insert(0, %r)\n"
+            "from lightning_ddp import Classifier, toy_data\n"
+            "st = hat.ddp.CompressionState(compression=hat.Compression.adtopk(ratio=0.01))\n"
+            "tr = pl.Trainer(accelerator='cpu', devices=1, strategy=DDPStrategy(ddp_comm_state=st, ddp_comm_hook=hat.ddp.hook),\n"
+            "                callbacks=[DDPCompression(hat.Compression.adtopk(ratio=0.01))], max_steps=1, logger=False,\n"
+            "                enable_checkpointing=False, enable_progress_bar=False)\n"
+            "tr.fit(Classifier(), torch.utils.data.DataLoader(toy_data(), batch_size=4))\n" % str(EXAMPLES))
+    rc, log, _ = run_command([sys.executable, "-c", code], timeout=120, env=ENV)
+    assert rc not in (0, None), log[-4000:]
+    assert "remove ddp_comm_hook/ddp_comm_state from DDPStrategy" in log, log[-4000:]
+
+
+def test_import_pulls_in_no_framework():
+    """``import horovod_adtopk`` (and its integrations package) imports none of the frameworks."""
+    code = ("import sys, horovod_adtopk, horovod_adtopk.ddp, horovod_adtopk.integrations\n"
+            "bad = [m for m in ('pytorch_lightning', 'lightning', 'accelerate', 'transformers', 'ray') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), timeout=120)
