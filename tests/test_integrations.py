@@ -37,9 +37,9 @@ def needs(module: str, package: str):
                               reason=f"{package} is not installed (scripts/setup.sh installs it: pip install .[integrations])")
 
 
-def run_example(cmd: list, report: Path, timeout: float = 180.0) -> list:
+def run_example(cmd: list, report: Path, timeout: float = 180.0, env: dict = None) -> list:
     """Run one example command under the harness timeout; return its ``--report`` (one entry per rank)."""
-    rc, log, seconds = run_command(cmd + ["--report", str(report)], timeout=timeout, env=ENV)
+    rc, log, seconds = run_command(cmd + ["--report", str(report)], timeout=timeout, env={**ENV, **(env or {})})
     assert rc == 0, f"{' '.join(cmd)}: exit {rc} (None: timed out after {timeout:.0f} s and was killed)\n{log[-12000:]}"
     return json.loads(report.read_text())
 
@@ -105,6 +105,28 @@ def test_lightning_refuses_the_strategy_hook(tmp_path):
     rc, log, _ = run_command([sys.executable, "-c", code], timeout=120, env=ENV)
     assert rc not in (0, None), log[-4000:]
     assert "remove ddp_comm_hook/ddp_comm_state from DDPStrategy" in log, log[-4000:]
+
+
+# --- Hugging Face Accelerate -------------------------------------------------------------------------------------
+
+@needs("accelerate", "accelerate")
+def test_accelerate_accumulation_checkpoint_resume(reference, tmp_path):
+    """``accelerate launch --multi_gpu --num_processes 2`` (CPU processes here), ``accelerator.accumulate`` over 2
+    micro-batches, ``register`` after ``prepare``; ``save_state`` after each epoch, resumed from epoch 0's."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    ckpt = tmp_path / "ckpt"
+    script = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+              "no", "--dynamo_backend", "no", str(EXAMPLES / "accelerate_ddp.py"), "--ckpt-dir", str(ckpt)]
+    home = {"HF_HOME": str(tmp_path / "hf")}  # no user accelerate config
+    straight = run_example(script, tmp_path / "straight.json", env=home)
+    check_compressed(straight)
+    check_against(straight, reference, "batch", rounds=8)
+    saved = __import__("torch").load(ckpt / "epoch_0" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert sorted(saved["ranks"]) == [0, 1] and saved["round"] == 4  # every rank's residuals, in the main process's file
+    __import__("shutil").rmtree(ckpt / "epoch_1")
+    resumed = run_example(script + ["--resume"], tmp_path / "resumed.json", env=home)
+    for a, b in zip(straight, resumed):
+        assert (a["params"], a["residuals"], a["round"]) == (b["params"], b["residuals"], b["round"])
 
 
 def test_import_pulls_in_no_framework():
