@@ -129,6 +129,26 @@ def test_accelerate_accumulation_checkpoint_resume(reference, tmp_path):
         assert (a["params"], a["residuals"], a["round"]) == (b["params"], b["residuals"], b["round"])
 
 
+# --- Transformers Trainer ----------------------------------------------------------------------------------------
+
+@needs("transformers", "transformers")
+def test_trainer_accumulation_checkpoint_resume(reference, tmp_path):
+    """``torchrun --nproc_per_node 2``, ``gradient_accumulation_steps=2``, ``attach``; the Trainer saves
+    ``checkpoint-4`` and ``checkpoint-8`` (with every rank's residuals); resumed from ``checkpoint-4``."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    out = tmp_path / "run"
+    script = [torchrun, "--nproc_per_node", "2", str(EXAMPLES / "transformers_trainer.py"), "--out", str(out)]
+    home = {"HF_HOME": str(tmp_path / "hf")}
+    straight = run_example(script, tmp_path / "straight.json", env=home)
+    check_compressed(straight)
+    check_against(straight, reference, "batch", rounds=8)
+    saved = __import__("torch").load(out / "checkpoint-4" / "horovod_adtopk_ddp.pt", weights_only=True)
+    assert sorted(saved["ranks"]) == [0, 1] and saved["round"] == 4
+    resumed = run_example(script + ["--resume", str(out / "checkpoint-4")], tmp_path / "resumed.json", env=home)
+    for a, b in zip(straight, resumed):
+        assert (a["params"], a["residuals"], a["round"]) == (b["params"], b["residuals"], b["round"])
+
+
 def test_import_pulls_in_no_framework():
     """``import horovod_adtopk`` (and its integrations package) imports none of the frameworks."""
     code = ("import sys, horovod_adtopk, horovod_adtopk.ddp, horovod_adtopk.integrations\n"
