@@ -86,3 +86,14 @@ def plain_reference(args, outdir):
                 opt.zero_grad()
         out[run["name"]] = digests(module.parameters(), state)
     return out
+
+
+def horovod_reference(args, outdir):
+    """Horovod side: the RayExecutor example's ``train`` run under ``horovodrun`` (tests.harness.run_ranks)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "frameworks"))
+    from horovod_ray import train
+
+    return train(args["ratio"], args["steps"], args["accumulate"])
