@@ -205,3 +205,18 @@ def test_import_pulls_in_no_framework():
             "bad = [m for m in ('pytorch_lightning', 'lightning', 'accelerate', 'transformers', 'ray') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO), timeout=120)
+
+
+@pytest.mark.parametrize("module,blocked,package", [
+    ("lightning", ["pytorch_lightning", "lightning"], "pytorch-lightning"),
+    ("accelerate", ["accelerate"], "accelerate"),
+    ("transformers", ["transformers"], "transformers"),
+])
+def test_missing_framework_says_what_to_install(module, blocked, package):
+    """An integration module whose framework is not installed raises an ImportError naming the package."""
+    code = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
+            f"try:\n    import horovod_adtopk.integrations.{module}\nexcept ImportError as exc:\n    print(exc)\n"
+            f"else:\n    raise SystemExit('imported without its framework')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), timeout=120, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"pip install {package}" in out.stdout, out.stdout
