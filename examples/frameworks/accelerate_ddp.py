@@ -74,3 +74,4 @@ accelerator.print(f"{stats['round']} rounds, {stats['bytes_sent']} bytes sent of
                   f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
 if args.report:
     report(args.report, accelerator.unwrap_model(model), state)
+accelerator.end_training()  # destroys the process group (left to interpreter exit, Gloo may abort there)

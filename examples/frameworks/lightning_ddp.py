@@ -82,3 +82,4 @@ if __name__ == "__main__":
               f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
     if args.report:
         report(args.report, model, compression.state)
+    dist.destroy_process_group()  # Lightning leaves it to interpreter exit, where Gloo may abort

@@ -75,3 +75,4 @@ if trainer.is_world_process_zero():
           f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
 if args.report:
     report(args.report, model, compression.state)
+dist.destroy_process_group()  # the Trainer leaves it to interpreter exit, where Gloo may abort
