@@ -216,6 +216,30 @@ def test_horovod_ray_executor(tmp_path):
         assert {k: a[k] for k in a} == {k: b[k] for k in a}  # (the harness adds its outdir to b)
 
 
+@needs("pytorch-lightning", "pytorch_lightning")
+def test_lightning_strategy_hook_is_skipped_on_cpu(tmp_path):
+    """The trap the callback exists for, as Lightning 2.6.6 behaves: ``DDPStrategy(ddp_comm_hook=hat.ddp.hook)``
+    on 2 CPU processes trains and never calls the hook (0 rounds). If this starts failing, Lightning registers
+    hooks off CUDA now: update the README's Lightning trap."""
+    script = tmp_path / "strategy_hook.py"
+    script.write_text(
+        "import sys, torch, pytorch_lightning as pl\n"
+        "from pytorch_lightning.strategies import DDPStrategy\n"
+        "import horovod_adtopk as hat\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "from lightning_ddp import Classifier, toy_data\n"
+        "if __name__ == '__main__':\n"
+        "    st = hat.ddp.CompressionState(compression=hat.Compression.adtopk(ratio=0.01))\n"
+        "    tr = pl.Trainer(accelerator='cpu', devices=2, strategy=DDPStrategy(ddp_comm_state=st, ddp_comm_hook=hat.ddp.hook),\n"
+        "                    max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "    tr.fit(Classifier(), torch.utils.data.DataLoader(toy_data(), batch_size=4))\n"
+        "    print(f'RANK {tr.global_rank} STEPS {tr.global_step} ROUNDS {st.round}', flush=True)\n"
+        "    torch.distributed.destroy_process_group()\n")
+    rc, log, _ = run_command([sys.executable, str(script)], timeout=180, env=ENV)
+    assert rc == 0 or (EXIT_ABORT in log and "Traceback" not in log), log[-6000:]
+    assert "RANK 0 STEPS 4 ROUNDS 0" in log and "RANK 1 STEPS 4 ROUNDS 0" in log, log[-6000:]
+
+
 def test_import_pulls_in_no_framework():
     """``import horovod_adtopk`` (and its integrations package) imports none of the frameworks."""
     code = ("import sys, horovod_adtopk, horovod_adtopk.ddp, horovod_adtopk.integrations\n"
