@@ -63,7 +63,10 @@ setup(
     packages=find_packages(include=["horovod_adtopk", "horovod_adtopk.*"]),
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "horovod==0.28.1"],
-    extras_require={"train": ["tqdm", "matplotlib", "mpi4py"], "test": ["pytest", "hypothesis"]},
+    extras_require={"train": ["tqdm", "matplotlib", "mpi4py"], "test": ["pytest", "hypothesis"],
+                    # the versions examples/frameworks/ and tests/test_integrations.py were checked with
+                    "integrations": ["pytorch-lightning==2.6.6", "accelerate==1.15.0", "transformers==5.23.0",
+                                     "ray[train]==2.60.0"]},
     license="Apache-2.0",
     **native_extension(),
 )

@@ -133,7 +133,33 @@ here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.pat
 here=$(cd / && "$PY" -c "import horovod_adtopk, os; print(os.path.dirname(os.path.dirname(os.path.abspath(horovod_adtopk.__file__))))" 2>/dev/null || true)
 [ "$here" = "$ROOT" ] || die "horovod_adtopk is not importable from outside the repository after 'pip install -e .'"
 
-# 6. Check the build -------------------------------------------------------------------------------------
+# 6. Optional: the training frameworks of examples/frameworks/ (setup.py's `integrations` extra, pinned) ----
+# pytorch-lightning, torchmetrics and accelerate declare a torch requirement: installed --no-deps, and the
+# rest under a constraint that pins torch to the installed build, so this step can never replace PyTorch.
+# On failure it warns and tests/test_integrations.py skips the missing frameworks, saying why.
+INTEG_NODEPS="pytorch-lightning==2.6.6 torchmetrics==1.9.0 accelerate==1.15.0"
+INTEG_PKGS="lightning-utilities==0.15.3 transformers==5.23.0 huggingface-hub==2.4.0 safetensors==0.8.0 tokenizers==0.23.3 fsspec==2026.9.0 ray==2.60.0 pandas==3.1.1 pyarrow==26.0.1 tensorboardx==2.6.5"
+integ_key="$TORCH_VER | $INTEG_NODEPS | $INTEG_PKGS"
+if [ "${SKIP_INTEGRATIONS:-0}" = 1 ]; then
+  say "SKIP_INTEGRATIONS=1: not installing the framework integrations' packages"
+elif [ "$(cat "$VENV/.integrations-key" 2>/dev/null)" = "$integ_key" ] \
+    && "$PY" -c "import pytorch_lightning, accelerate, transformers, ray.train.torch" 2>/dev/null; then
+  say "framework packages already installed"
+else
+  say "installing the framework packages (Lightning, Accelerate, Transformers, Ray; torch stays $TORCH_VER)"
+  constraint=$(mktemp)
+  echo "torch==$TORCH_VER" > "$constraint"
+  # shellcheck disable=SC2086
+  if "${PIP[@]}" --no-deps $INTEG_NODEPS && "${PIP[@]}" -c "$constraint" $INTEG_PKGS \
+      && [ "$("$PY" -c "import torch; print(torch.__version__)")" = "$TORCH_VER" ]; then
+    echo "$integ_key" > "$VENV/.integrations-key"
+  else
+    say "WARNING: could not install the framework packages; tests/test_integrations.py will skip them"
+  fi
+  rm -f "$constraint"
+fi
+
+# 7. Check the build -------------------------------------------------------------------------------------
 check=$("$VENV/bin/horovodrun" --check-build 2>&1) || die "horovodrun --check-build failed: $check"
 for want in "\[X\] PyTorch" "\[X\] MPI" "\[X\] Gloo"; do
   echo "$check" | grep -q "$want" || { echo "$check" >&2; die "Horovod lacks '${want//\\/}': rebuild (rm -rf $WHEEL_DIR .venv) and read the build log"; }
