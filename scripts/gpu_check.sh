@@ -21,7 +21,7 @@
 #                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
 #                    JSON in $OUT/ddp_check.json.
 #   5. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
-#                    ADTopk for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
+#                    ADTopk (the per-step hook) for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
 #                    on a text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
 #                    checks that it ran on cuda, compressed (density < 0.1) and ended with a finite loss.
 #                    Summary in $OUT/gpt.json.
@@ -252,6 +252,7 @@ gpt() {
     [ "$DRY" = "1" ] && device+=(--no-cuda)
     OMP_NUM_THREADS=2 "$torchrun" --standalone --nproc-per-node 2 examples/train.py --engine ddp "${device[@]}" \
         --dataset shakespeare --data-dir "$text" --model gpt --bf16 --compressor adtopk --ratio 0.01 --no-warmup \
+        --error-feedback-on gradient \
         --epochs 3 --max-steps 20 --test-batches 2 --no-progress --log-every 0 --summary-json "$OUT_DIR/gpt.json" || return 1
     "$PY" - "$OUT_DIR/gpt.json" "$OUT_DIR/gpt.log" "$DRY" <<'PYEOF'
 import json, math, sys

@@ -313,7 +313,7 @@ def test_train_engine_ddp_gpt_adamw_resumes_bitwise(tmp_path):
     middle ends where an uninterrupted run does."""
     from tests.test_train import TINY_GPT, tiny_corpus
     common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
-              "--ratio", "0.05"]
+              "--ratio", "0.05", "--error-feedback-on", "gradient"]
     _torchrun_train([*common, "--max-steps", 7, "--checkpoint-dir", tmp_path / "a", "--metrics-out", tmp_path / "a.jsonl"])
     _torchrun_train([*common, "--max-steps", 4, "--checkpoint-dir", tmp_path / "b", "--metrics-out", tmp_path / "b.jsonl"])
     out = _torchrun_train([*common, "--max-steps", 7, "--checkpoint-dir", tmp_path / "b", "--resume",

@@ -235,7 +235,7 @@ def test_gpt_adamw_resume_is_bitwise_exact(tmp_path):
     """The transformer job on the Horovod engine: AdamW's moments, every rank's residuals and the tied
     embedding/head continue bit for bit after a resume; the MLP weights travel sparse."""
     common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
-              "--ratio", "0.05"]
+              "--ratio", "0.05", "--error-feedback-on", "gradient"]
     a_dir, _ = _run_resume_case(tmp_path, common, total=7, first=4)
     a = load_ckpt(latest(a_dir / "ckpt"))
     assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(a["optimizer"]["state"].values())))
@@ -244,6 +244,27 @@ def test_gpt_adamw_resume_is_bitwise_exact(tmp_path):
     assert "head.weight" not in a["model"] or torch.equal(a["model"]["head.weight"], a["model"]["tok_emb.weight"])
     final = final_row(a_dir / "m.jsonl")
     assert final["model"] == "gpt" and final["density"] < 0.5 and final["test_perplexity"] > 1.0
+
+
+def test_gpt_adamw_error_feedback_on_the_update(tmp_path):
+    """AdamW's default with a sparse compressor: error feedback on the update (local steps at every step, outer
+    SGD lr 1); compressed, and a resumed run ends bitwise where the straight run does."""
+    common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
+              "--ratio", "0.05"]
+    runs = {}
+    for name, steps, extra in (("a", 6, []), ("b", 3, []), ("b", 6, ["--resume"])):
+        rc, out, _ = horovodrun([*common, "--max-steps", steps, "--checkpoint-dir", tmp_path / name / "ckpt",
+                                 "--metrics-out", tmp_path / name / "m.jsonl", *extra])
+        check_ok(rc, out, f"run {name} to step {steps}")
+        runs[name] = out
+    assert "error feedback on the optimizer's update" in runs["a"] and "at step 3" in runs["b"]
+    a, b = load_ckpt(latest(tmp_path / "a" / "ckpt")), load_ckpt(latest(tmp_path / "b" / "ckpt"))
+    assert a["step"] == b["step"] == 6
+    assert_same_tensors(a["model"], b["model"], "model")
+    fa, fb = final_row(tmp_path / "a" / "m.jsonl"), final_row(tmp_path / "b" / "m.jsonl")
+    for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense", "density"):
+        assert fa[key] == fb[key], (key, fa[key], fb[key])
+    assert fa["density"] < 0.5
 
 
 def test_resume_is_bitwise_exact_across_epochs(tmp_path):

@@ -337,6 +337,14 @@ def test_gpt_defaults_to_adamw_without_momentum_correction():
     sgd_gpt = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--optimizer", "sgd", "--lr", "0.3"])
     assert sgd_gpt.momentum_correction is True and sgd_gpt.lr == 0.3
     assert "AdamW betas 0.9/0.95" in options.describe_compression(args)
+    # AdamW with a fixed-size sparse compressor: error feedback on the update (local steps at every step)
+    assert (args.error_feedback_on, args.sync_every, args.outer_lr, args.outer_momentum) == ("update", 1, 1.0, 0.0)
+    assert "error feedback on the optimizer's update" in options.describe_compression(args)
+    for argv in (["--compressor", "dgc"], ["--compressor", "none"], ["--error-feedback-on", "gradient"],
+                 ["--sync-every", "10"]):
+        other = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *argv])
+        assert other.error_feedback_on == "gradient" and other.sync_every == (10 if "10" in argv else 0), argv
+    assert lstm.error_feedback_on == "gradient" and lstm.sync_every == 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -344,6 +352,8 @@ def test_gpt_defaults_to_adamw_without_momentum_correction():
     (["--model", "gpt", "--gpt-dim", "30"], "must divide --gpt-dim"),
     (["--model", "gpt", "--betas", "0.9", "1.0"], "--betas must lie in"),
     (["--model", "lstm", "--optimizer", "adam"], "invalid choice"),
+    (["--model", "gpt", "--error-feedback-on", "update", "--sync-every", "5"], "already means local steps"),
+    (["--model", "gpt", "--error-feedback-on", "update", "--compressor", "dgc"], "fixed-size payloads"),
 ])
 def test_bad_transformer_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

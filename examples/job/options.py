@@ -43,6 +43,12 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("off", "on", "auto"), default="off",
                    help="--engine horovod: run selection on a worker thread while the backward pass goes on "
                         "(hat.DistributedOptimizer overlap=; auto: where the rank has a spare core)")
+    p.add_argument("--error-feedback-on", choices=("gradient", "update"), default=None,
+                   help="sparse per-step compression: error feedback on the gradient before the optimizer (the "
+                        "per-step path), or on the optimizer's update (each rank steps on its own gradient, the "
+                        "update is compressed with error feedback and averaged: --sync-every 1 with an outer SGD at "
+                        "lr 1; adtopk, adtopk_i and topk) (default: update for adamw, where it measured better, "
+                        "gradient for sgd)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -193,6 +199,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_local_steps(p, args)
     _resolve_warmup(p, args)
     _resolve_compression(p, args)
+    _resolve_feedback(p, args)
     return args
 
 
@@ -227,6 +234,33 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dense-rounds and --density-warmup must be >= 0")
     if args.overlap != "off" and args.engine != "horovod":
         p.error("--overlap applies to --engine horovod (DDP runs its hook on its own schedule)")
+
+
+# Compressors whose fixed-size payloads can carry an update through the outer exchange (horovod_adtopk.local_steps)
+UPDATE_FEEDBACK_COMPRESSORS = ("adtopk", "adtopk_i", "topk")
+
+
+def _resolve_feedback(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Where error feedback applies with a per-step sparse compressor. AdamW normalises every coordinate by its
+    own gradient history, so a residual delivered late as one large entry moves its weight far less than the
+    steps it stands for would have (BENCHMARKS.md 3d); compressing AdamW's *update* with error feedback keeps
+    the sum of the updates instead. That is local steps with ``sync_every=1`` and ``Outer.sgd(lr=1)``."""
+    if args.error_feedback_on is None:
+        per_step_sparse = not args.sync_every and args.compressor in UPDATE_FEEDBACK_COMPRESSORS
+        args.error_feedback_on = "update" if args.optimizer == "adamw" and per_step_sparse else "gradient"
+    if args.error_feedback_on == "gradient":
+        return
+    if args.sync_every:
+        p.error("--error-feedback-on update already means local steps (--sync-every 1, outer SGD lr 1); "
+                "drop one of them")
+    if args.compressor not in UPDATE_FEEDBACK_COMPRESSORS:
+        p.error(f"--error-feedback-on update needs --compressor {', '.join(UPDATE_FEEDBACK_COMPRESSORS)} "
+                f"(fixed-size payloads), not {args.compressor}")
+    if args.momentum_correction:
+        p.error("--error-feedback-on update keeps the optimizer's own momentum; drop --momentum-correction")
+    if args.overlap == "on":
+        p.error("--overlap does not apply with --error-feedback-on update (the exchange follows the step)")
+    args.sync_every, args.outer_lr, args.outer_momentum, args.overlap = 1, 1.0, 0.0, "off"
 
 
 def is_sparse_rule(compressor: str) -> bool:
@@ -303,7 +337,9 @@ def describe_compression(args: argparse.Namespace) -> str:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
                  if args.momentum_correction else f", {base}")
-    if getattr(args, "sync_every", 0):
+    if getattr(args, "error_feedback_on", None) == "update":
+        text += "; error feedback on the optimizer's update (local steps: sync every step, outer SGD lr 1)"
+    elif getattr(args, "sync_every", 0):
         outer = (f"Nesterov lr {args.outer_lr} momentum {args.outer_momentum}" if args.outer_momentum
                  else f"SGD lr {args.outer_lr}")
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"

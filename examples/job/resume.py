@@ -17,7 +17,8 @@ RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "thresh
                "batch_size", "lr", "momentum", "weight_decay", "lr_schedule", "schedule_horizon", "warmup_steps",
                "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size", "dense_rounds",
                "density_warmup", "density_start", "powersgd_rank", "optimizer", "betas", "bf16", "gpt_dim",
-               "gpt_layers", "gpt_heads", "tie_weights", "sync_every", "outer_lr", "outer_momentum")
+               "gpt_layers", "gpt_heads", "tie_weights", "sync_every", "outer_lr", "outer_momentum",
+               "error_feedback_on")
 
 
 def save_checkpoint(job: Job, progress: Progress) -> None:
