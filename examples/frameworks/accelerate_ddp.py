@@ -9,35 +9,16 @@
 horovod_adtopk's hook on the prepared model and every rank's residuals into ``accelerator.save_state``.
 """
 import argparse
-import hashlib
-import json
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import horovod_adtopk as hat
 from horovod_adtopk.integrations.accelerate import register
+from _report import report, toy_data  # noqa: E402 (beside this script)
 
 
-def toy_data(n: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 32, generator=g)
-    return TensorDataset(x, (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4)
-
-
-def report(path: str, model: torch.nn.Module, state: "hat.ddp.CompressionState") -> None:
-    """--report: every rank's parameter and residual digests and traffic, as JSON from rank 0."""
-    mem = state.state_dict()["ranks"][dist.get_rank()]["memory"].get("residuals", {})
-    mine = {"params": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
-            "residuals": hashlib.sha256(b"".join(mem[n].numpy().tobytes() for n in sorted(mem))).hexdigest(),
-            **{k: state.stats()[k] for k in ("round", "bytes_sent", "bytes_dense")}}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(every, f)
 
 
 parser = argparse.ArgumentParser()

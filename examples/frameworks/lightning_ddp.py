@@ -9,17 +9,16 @@ uncompressed without a word. ``DDPCompression`` registers the hook on any device
 per rank) travel in Lightning's own checkpoints.
 """
 import argparse
-import hashlib
-import json
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import horovod_adtopk as hat
 from horovod_adtopk.integrations.lightning import DDPCompression
+from _report import report, toy_data  # noqa: E402 (beside this script)
 
 
 class Classifier(pl.LightningModule):
@@ -35,23 +34,6 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def toy_data(n: int = 64) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 32, generator=g)
-    return TensorDataset(x, (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4)
-
-
-def report(path: str, model: torch.nn.Module, state: "hat.ddp.CompressionState") -> None:
-    """--report: every rank's parameter and residual digests and traffic, as JSON from rank 0."""
-    mem = state.state_dict()["ranks"][dist.get_rank()]["memory"].get("residuals", {})
-    mine = {"params": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
-            "residuals": hashlib.sha256(b"".join(mem[n].numpy().tobytes() for n in sorted(mem))).hexdigest(),
-            **{k: state.stats()[k] for k in ("round", "bytes_sent", "bytes_dense")}}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(every, f)
 
 
 if __name__ == "__main__":

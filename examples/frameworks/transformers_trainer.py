@@ -7,8 +7,6 @@ The Trainer has no communication-hook option; ``attach`` registers horovod_adtop
 wraps and saves every rank's residuals into each ``checkpoint-<step>`` folder (and loads them on resume).
 """
 import argparse
-import hashlib
-import json
 
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 import horovod_adtopk as hat
 from horovod_adtopk.integrations.transformers import attach
+from _report import report  # noqa: E402 (beside this script)
 
 
 class Classifier(torch.nn.Module):
@@ -33,19 +32,6 @@ def toy_data(n: int = 64) -> list:
     x = torch.randn(n, 32, generator=g)
     y = (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4
     return [{"x": x[i], "labels": y[i]} for i in range(n)]
-
-
-def report(path: str, model: torch.nn.Module, state: "hat.ddp.CompressionState") -> None:
-    """--report: every rank's parameter and residual digests and traffic, as JSON from rank 0."""
-    mem = state.state_dict()["ranks"][dist.get_rank()]["memory"].get("residuals", {})
-    mine = {"params": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
-            "residuals": hashlib.sha256(b"".join(mem[n].numpy().tobytes() for n in sorted(mem))).hexdigest(),
-            **{k: state.stats()[k] for k in ("round", "bytes_sent", "bytes_dense")}}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(every, f)
 
 
 parser = argparse.ArgumentParser()
