@@ -77,8 +77,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     job = None
     try:
         job = setup(args, process_start)
-        progress = resume(job)
-        train(job, progress)
+        if args.elastic and args.engine == "horovod":
+            from job.elastic import train_elastic  # hvd.elastic.run; its own resume, inside the loop
+            train_elastic(job)
+        else:
+            progress = resume(job)
+            train(job, progress)
     except JobFailed as failed:
         return failed.status
     finally:

@@ -57,6 +57,12 @@ def load_data(args: argparse.Namespace, spec: DatasetSpec, engine) -> tuple:
         data = spec.load(args)
     except (FileNotFoundError, ImportError, ValueError) as exc:
         error = f"could not load the {args.dataset} dataset: {type(exc).__name__}: {exc}"
+    if getattr(args, "elastic", False) and args.engine == "horovod":
+        # under hvd.elastic.run a worker that joins later runs this alone, while the others wait in the state's
+        # sync: no collective may run before the elastic loop, so a failure stops this rank only
+        if error is not None:
+            raise SystemExit(f"error: {error}")
+        return data
     agree(engine, error, "data")
     return data
 
@@ -75,6 +81,8 @@ def setup(args: argparse.Namespace, process_start: float) -> Job:
         pass
     tensorboard = open_tensorboard(args, engine)
     train_set, test_set, vocab_size = load_data(args, spec, engine)
+    if getattr(args, "train_samples", None) is not None:
+        train_set = torch.utils.data.TensorDataset(*(t[:args.train_samples] for t in train_set.tensors))
 
     # identical on every rank (same seed); broadcast anyway. The DDP engine wraps it in DistributedDataParallel.
     model = engine.wrap_model(make_model(args, vocab_size).to(device))

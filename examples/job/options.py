@@ -179,7 +179,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="gpt: the output head is the token embedding (one parameter used twice)")
     _add_output_flags(p)
+    p.add_argument("--elastic", action="store_true",
+                   help="survive membership changes. --engine horovod: the loop runs inside hvd.elastic.run (launch "
+                        "with horovodrun --min-np/--max-np --host-discovery-script), committing every --commit-every "
+                        "steps and re-sharding the data left in the epoch over the new ranks; --engine ddp: the job "
+                        "resumes from its last checkpoint at another world size under torchrun's elastic rendezvous")
+    _add_elastic_horovod_flags(p)
     return p
+
+
+def _add_elastic_horovod_flags(p: argparse.ArgumentParser) -> None:
+    """The knobs of --elastic on the Horovod engine (examples/job/elastic.py)."""
+    g = p.add_argument_group("elastic training, --engine horovod")
+    g.add_argument("--commit-every", type=int, default=20,
+                   help="--elastic: commit the state in memory every N steps (and at each epoch end); a failed "
+                        "collective rolls every survivor back to the last commit, so up to N steps are replayed")
+    g.add_argument("--elastic-batch", choices=("per-rank", "global"), default="per-rank",
+                   help="--elastic: per-rank: every rank keeps --batch-size, so the global batch and SGD's scaled "
+                        "rate follow the world size (Horovod's convention; fewer ranks take more, smaller steps per "
+                        "epoch); global: the global batch stays --batch-size x the world size at start and each "
+                        "rank takes its share of it (the same samples in every step whatever the world size, the "
+                        "rate unchanged; the global batch must split evenly, else it is rounded down)")
+    g.add_argument("--elastic-log", default=None, metavar="FILE",
+                   help="--elastic: every rank appends JSON lines here (shared file system): each commit with the "
+                        "step, world size, members, a SHA-256 of the parameters, the residual norm and one step's "
+                        "gradient norm; each membership change and the first step after it")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train on the first N examples of the training set only (small runs and tests)")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -200,7 +226,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_warmup(p, args)
     _resolve_compression(p, args)
     _resolve_feedback(p, args)
+    _check_elastic(p, args)
     return args
+
+
+def _check_elastic(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks of the --elastic flags on the Horovod engine (the DDP engine's are its own)."""
+    if args.train_samples is not None and args.train_samples < 1:
+        p.error("--train-samples must be >= 1")
+    if not args.elastic:
+        if args.elastic_log:
+            p.error("--elastic-log needs --elastic")
+        return
+    if args.engine != "horovod":
+        return
+    if args.commit_every < 1:
+        p.error("--commit-every must be >= 1")
+    if args.max_steps is not None:
+        p.error("--elastic --engine horovod trains whole epochs (the number of steps depends on the world size, "
+                "which may change); drop --max-steps and use --epochs (and --train-samples for a short run)")
+    if args.tensorboard:
+        p.error("--tensorboard does not apply with --elastic (rank 0, which writes it, may change)")
+    if args.channel_stats:
+        p.error("--channel-stats does not apply with --elastic (its per-step record assumes a fixed world)")
+    if args.checkpoint_every and args.checkpoint_every % args.commit_every:
+        p.error(f"--elastic: --checkpoint-every ({args.checkpoint_every}) must be a multiple of --commit-every "
+                f"({args.commit_every}): checkpoints are written at commits")
 
 
 def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -21,8 +21,9 @@ RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "thresh
                "error_feedback_on")
 
 
-def save_checkpoint(job: Job, progress: Progress) -> None:
-    """Collective (every rank calls it); rank 0 writes. If the write fails every rank stops (status 1)."""
+def save_checkpoint(job: Job, progress: Progress, extra: Optional[dict] = None) -> None:
+    """Collective (every rank calls it); rank 0 writes. If the write fails every rank stops (status 1).
+    ``extra``: more top-level entries (``--elastic`` adds the sampler's position)."""
     engine = job.engine
     optimizer_state = engine.checkpoint_state(job.opt)
     per_rank = engine.allgather_object({"torch_rng": torch.get_rng_state(),
@@ -46,6 +47,7 @@ def save_checkpoint(job: Job, progress: Progress) -> None:
             "counters": {k: float(counters[k]) for k in COUNTER_KEYS},
             "wall_time": float(job.wall(progress)),
             "config": job.config,
+            **(extra or {}),
         }
         try:
             path = write_checkpoint(job.ckpt_dir, ckpt, job.args.keep_checkpoints)
