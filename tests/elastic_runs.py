@@ -103,6 +103,23 @@ class ElasticRun:
             time.sleep(0.2)
         raise TimeoutError(f"no commit of step {step} on {size} ranks within {timeout:.0f} s\n{self.output()[-6000:]}")
 
+    def wait_for_membership(self, size: int, timeout: float) -> dict:
+        """Block until every rank of a ``size``-rank membership started training (logged ``synced``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the job ended (exit {self.proc.returncode}) before {size} ranks trained\n"
+                                   f"{self.output()[-6000:]}")
+            rows = [e for e in self.events() if e["event"] == "synced" and e["size"] == size]
+            by_members = defaultdict(list)
+            for e in rows:
+                by_members[e["members"]].append(e)
+            done = [m for m, es in by_members.items() if len(es) >= size]
+            if done:
+                return by_members[done[-1]][-1]
+            time.sleep(0.2)
+        raise TimeoutError(f"no {size}-rank membership within {timeout:.0f} s\n{self.output()[-6000:]}")
+
     def ranks_on(self, host: int) -> List[psutil.Process]:
         """The rank processes (``python examples/train.py``) on host ``host``."""
         found = []

@@ -18,11 +18,16 @@ What survives a membership change, and how:
 * The data: ``ElasticSampler`` counts the samples consumed in the epoch and, after a change, deals the
   samples left in the epoch over the new ranks (rank r takes every W-th), so an epoch still visits each
   example once (plus the padding to a multiple of W), whatever the changes.
+* The batch (``--elastic-batch``): ``per-rank`` (default, Horovod's convention) keeps ``--batch-size`` on
+  every rank, so the global batch and SGD's scaled peak rate ``lr * W`` follow the current world size W and
+  fewer ranks take more steps per epoch; ``global`` keeps the starting global batch ``B * W0`` and gives each
+  rank ``B * W0 / W`` of it, with the rate of W0: the sampler deals the remaining samples rank::W, so step k
+  trains on the same samples whatever W is, and a faulted run stays comparable step for step with a
+  fault-free one.
 * The learning rate is a function of the data consumed, not of the step count: the schedule position is
-  ``(epoch * N + samples consumed in the epoch) / (batch * W0)`` with ``W0`` the world size at the start
-  (``nominal_world``), and the peak rate is scaled by the *current* world size (SGD). With no change it is
-  the non-elastic job's schedule step for step; after a change the warm-up and the cosine still end where
-  the data ends.
+  ``(epoch * N + samples consumed in the epoch) / (B * W0)`` with ``W0`` the world size at the start
+  (``nominal_world``). With no change it is the non-elastic job's schedule step for step; after a change the
+  warm-up and the cosine still end where the data ends.
 * The job itself runs no collective before the elastic loop (a worker that joins later would run it alone),
   so the initial broadcast of rank 0's state is the state's first ``sync()``.
 
@@ -32,7 +37,13 @@ members, world size, step and parameter digest), ``commit`` (step, digest, this 
 ``opt.stats()["memory"]["residual_norm"]`` and the norm of this rank's gradient of the step just done),
 ``failed`` (a collective failed at this step), ``reset`` (after Horovod re-initialised), ``first_step``
 (the first step completed after the membership started) and ``end`` (the final digest). Times are
-``time.time()`` so a test on the same machine can measure from its fault.
+``time.time()`` so a test on the same machine can measure from its fault. Metrics lines and the summary are
+written by the rank that is rank 0 when they are written (after a change it may be another process); a
+metrics line of an epoch end that was rolled back is written again. The byte counters of the summary are
+the current members' (a lost rank's counters go with it).
+
+Hierarchical exchange: the job has no flag for it; under Horovod elastic the library falls back to the flat
+exchange (its process sets would not survive a membership change).
 
 Checkpoints (``--checkpoint-dir``) are written at commits (``--checkpoint-every`` a multiple of
 ``--commit-every``) and at the end, with the sampler's position; ``--resume`` restores them inside the
@@ -75,18 +86,11 @@ def model_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def residual_norm(opt: torch.optim.Optimizer) -> Tuple[Optional[float], int]:
-    """``(L2 norm over this rank's error-feedback residuals, number of residual tensors)``, from
-    ``opt.stats()["memory"]``; from the optimizer's own state entry where the library does not report it."""
-    stats = opt.stats()
-    if "memory" in stats:
-        return float(stats["memory"]["residual_norm"]), int(stats["memory"]["tensors"])
-    ours = opt.state_dict().get("horovod_adtopk") or {}
-    entries = list((ours.get("ranks") or {}).values())
-    residuals = (entries[0].get("memory") or {}).get("residuals", {}) if entries else {}
-    if not residuals:
-        return 0.0, 0
-    return math.sqrt(sum(float(r.double().pow(2).sum()) for r in residuals.values())), len(residuals)
+def residual_norm(opt: torch.optim.Optimizer) -> Tuple[float, int]:
+    """``(L2 norm over this rank's error-feedback residuals, number of residual tensors)``:
+    ``opt.stats()["memory"]``."""
+    memory = opt.stats()["memory"]
+    return float(memory["residual_norm"]), int(memory["tensors"])
 
 
 class ElasticLog:
@@ -118,9 +122,6 @@ class ElasticTrainer:
         job.sampler = self.sampler
         self.state = hvd.elastic.TorchState(model=job.model, optimizer=job.opt, sampler=self.sampler,
                                             epoch=0, batch=0, step=0, nominal_world=0, resumed=False)
-        if _default_optimizer_handler(self.state):
-            # a library without its elastic state handler: forget the compression memory on every change
-            self.state.register_reset_callbacks([job.opt.reset_compression_state])
         self.state.register_reset_callbacks([self._on_reset])
         self.log = ElasticLog(args.elastic_log)
         self.scaled = args.optimizer == "sgd" and not getattr(args, "sync_every", 0)
@@ -326,6 +327,7 @@ class ElasticTrainer:
                 save_checkpoint(job, self._progress(), extra=self._checkpoint_extra())
             self.log.write("end", rank=hvd.rank(), size=hvd.size(), members=self._members_id(), step=state.step,
                            digest=model_digest(job.model), world_sizes=self.world_sizes,
+                           library=job.opt.stats().get("elastic"),
                            test_accuracy=res.get("test_accuracy"))
             return
         self._commit(None)
@@ -345,12 +347,6 @@ class ElasticTrainer:
         hvd.elastic.run(self._epochs)(self.state)
         res = report(job, self._progress())
         return res
-
-
-def _default_optimizer_handler(state) -> bool:
-    """Whether the optimizer is tracked by Horovod's stock handler (no horovod_adtopk handler registered)."""
-    from horovod.torch.elastic.state import OptimizerStateHandler
-    return type(state._handlers.get("optimizer")) is OptimizerStateHandler
 
 
 def train_elastic(job: Job) -> dict:
