@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -101,7 +102,8 @@ def one_run(cluster: Cluster, fault: str, outdir: Path, args: argparse.Namespace
         row["lost_residual"] = lost_residual(run.events(), victims)
     if not survived:
         out = run.output().splitlines()
-        row["log_tail"] = [ln for ln in out if "rror" in ln or "imed out" in ln or "exit" in ln][-8:]
+        said = [ln for ln in out if "rror" in ln or "imed out" in ln or "exit" in ln][-8:]
+        row["log_tail"] = [re.sub(r"/\S*/(horovod-[0-9.]+/)", r"\1", ln) for ln in said]  # no build paths
     return row
 
 
@@ -112,7 +114,9 @@ def fmt_row(r: dict, ref_acc: Optional[float]) -> List[str]:
     if r["readd_seconds"] is not None:
         rec += f" / {r['readd_seconds']:.1f} (back)"
     lost = r.get("lost_residual")
-    return [r["describe"], "yes" if r["survived"] else f"no (rc {r['rc']})", "->".join(map(str, r["world_sizes"])),
+    survived = "yes" if r["survived"] else (f"no (exit {r['rc']})" if r["rc"] is not None else
+                                            f"no (no new membership; killed at {r['seconds']:.0f} s)")
+    return [r["describe"], survived, "->".join(map(str, r["world_sizes"])),
             "yes" if r["identical"] else "NO", rec or "-", str(r["replayed"]),
             "-" if acc is None else f"{100 * acc:.2f}% {vs}".strip(),
             f"{lost['residual_norm']:.2f} vs {lost['grad_norm']:.2f}" if lost else "-", f"{r['seconds']:.0f}"]
@@ -155,11 +159,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.out:
         write_json(args.out, {"settings": settings, "machine": machine_info(), "runs": rows})
     if args.md:
-        md = ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-        md += ["| " + " | ".join(fmt_row(r, ref_acc)) + " |" for r in rows]
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text("\n".join(md) + "\n")
+        write_markdown(args.md, rows, settings)
     return 0
+
+
+def write_markdown(path: str, rows: List[dict], settings: dict) -> None:
+    """The table in Markdown, under a line with the settings."""
+    ref_acc = rows[0]["test_accuracy"]
+    md = ["Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), "",
+          "| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
+    md += ["| " + " | ".join(fmt_row(r, ref_acc)) + " |" for r in rows]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":

@@ -173,6 +173,7 @@ class ElasticTrainer:
         state, job = self.state, self.job
         if state.nominal_world == 0:  # the run's first start: every rank is in its first sync
             state.nominal_world = hvd.size()
+            state.save()  # so that a failure before the first commit keeps it
         job.steps_per_epoch, job.warmup, job.total_steps = self._nominal()
         who = hvd.allgather_object(f"{socket.gethostname()}:{os.getpid()}", name="elastic.members")
         self.members = who
@@ -308,8 +309,21 @@ class ElasticTrainer:
                     if commit_now:
                         self._commit(grad_norm)
                 self._end_epoch(report)
+            self._finish()
         finally:
             report.close()
+
+    def _finish(self) -> None:
+        """Collective, after the last epoch: the final record (when ``--resume`` found nothing left to train),
+        the final checkpoint, and this rank's ``end`` line."""
+        job, state = self.job, self.state
+        if job.last_record is None or job.last_record["step"] != state.step:
+            record(job, self._progress(), final=True)
+        if job.ckpt_dir is not None and job.last_ckpt_step != state.step:
+            save_checkpoint(job, self._progress(), extra=self._checkpoint_extra())
+        self.log.write("end", rank=hvd.rank(), size=hvd.size(), members=self._members_id(), step=state.step,
+                       digest=model_digest(job.model), world_sizes=self.world_sizes,
+                       library=job.opt.stats().get("elastic"), test_accuracy=job.last_record.get("test_accuracy"))
 
     def _end_epoch(self, report: ProgressReport) -> None:
         """Collective: evaluate, log, move the sampler to the next epoch and commit."""
@@ -322,15 +336,8 @@ class ElasticTrainer:
         state.epoch, state.batch = state.epoch + 1, 0
         self.progress.loss_sum, self.progress.loss_count = 0.0, 0
         self.sampler.set_epoch(state.epoch)
-        if last:
-            if job.ckpt_dir is not None:
-                save_checkpoint(job, self._progress(), extra=self._checkpoint_extra())
-            self.log.write("end", rank=hvd.rank(), size=hvd.size(), members=self._members_id(), step=state.step,
-                           digest=model_digest(job.model), world_sizes=self.world_sizes,
-                           library=job.opt.stats().get("elastic"),
-                           test_accuracy=res.get("test_accuracy"))
-            return
-        self._commit(None)
+        if not last:  # after the last epoch the run ends (_finish): nothing to commit
+            self._commit(None)
 
     def run(self) -> dict:
         """Train under ``hvd.elastic.run`` and report (rank 0 writes the summary)."""
