@@ -4,7 +4,10 @@
 
 MODE ``shrink``: 3 workers, rank 0 creates ``$HAT_ELASTIC_DIR/change`` at batch 15, which makes the host
 discovery script drop one slot (Horovod then skips ``sync()``). MODE ``grow``: 2 workers, the file adds a slot
-(a new worker joins with an empty AdamW state; ``sync()`` runs). Each rank appends one JSON line per committed
+(a new worker joins with an empty AdamW state; ``sync()`` runs). MODE ``kill``: 3 workers on two "hosts"
+(``localhost`` and ``127.0.0.1``), committing after odd steps only; the one on ``127.0.0.1`` SIGKILLs itself
+after step 16, so the others fail in step 17's exchange, restore the commit of step 15 (residuals included)
+and go on with 2. Each rank appends one JSON line per committed
 batch to ``$HAT_ELASTIC_DIR/log.jsonl`` (world size, round, a digest of its parameters); before every commit it
 saves its residuals to ``commit_<pid>_<size>.pt`` and, on entering the training function after a membership change,
 the residuals it holds then to ``after_<pid>_<size>.pt`` (for the test's check of the rescaling).
@@ -12,6 +15,7 @@ the residuals it holds then to ``after_<pid>_<size>.pt`` (for the test's check o
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -71,10 +75,14 @@ def train(state):
                                 "round": stats["round"], "pid": os.getpid(), "elastic": stats["elastic"],
                                 "residual_norm": stats["memory"]["residual_norm"],
                                 "hierarchical": stats.get("hierarchical", {}).get("reason")}) + "\n")
-        if state.batch == CHANGE and hvd.rank() == 0:
+        if state.batch == CHANGE and hvd.rank() == 0 and MODE != "kill":
             (OUT / "change").touch()
         if state.batch >= CHANGE and not (OUT / "changed").exists():
             time.sleep(0.3)  # give the driver's host discovery (once a second) time to see the change
+        if MODE == "kill" and state.batch == CHANGE + 1 and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+            os.kill(os.getpid(), signal.SIGKILL)  # after a full step past the commit; the others fail in the next
+        if MODE == "kill" and state.batch % 2 == 0:
+            continue  # commit every second step: a failure then rolls back a step that changed the residuals
         torch.save(residuals(), OUT / f"commit_{os.getpid()}_{hvd.size()}.pt")
         state.commit()
 
