@@ -152,9 +152,19 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "'pip install tensorboard')")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it, or there is none to show (None, False)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of examples/train.py, defaults shown in ``--help``."""
-    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=_HelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     p.add_argument("--model", default=None,
                    help="cnn, resnet or vgg for fashion-mnist, lstm or gpt for shakespeare (default: cnn / lstm)")
