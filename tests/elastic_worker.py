@@ -41,10 +41,18 @@ else:
 opt = hat.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                compression=hat.Compression.adtopk(ratio=0.05, min_numel=0), hierarchical=MODE == "grow")
 
+# grow: a second model with local steps (sync_every=3, AdamW inside, ADTopk on the pseudo-gradient) in the same
+# TorchState; its parameters agree across ranks right after each sync
+local_model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+local_opt = hat.DistributedOptimizer(torch.optim.AdamW(local_model.parameters(), lr=0.01, weight_decay=0.1),
+                                     named_parameters=local_model.named_parameters(),
+                                     compression=hat.Compression.adtopk(ratio=0.1, min_numel=0), sync_every=3,
+                                     outer=hat.Outer.nesterov(0.7, 0.9)) if MODE == "grow" else None
 
-def digest():
+
+def digest(m=None):
     h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
+    for _, p in sorted((m or model).state_dict().items()):
         h.update(p.detach().numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -68,13 +76,22 @@ def train(state):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        local = None
+        if local_opt is not None:
+            local_opt.zero_grad()
+            torch.nn.functional.cross_entropy(local_model(x), y).backward()
+            local_opt.step()
+            ls = local_opt.stats()
+            local = {"step_in_interval": ls["local_steps"]["step_in_interval"], "syncs": ls["round"],
+                     "digest": digest(local_model), "elastic": ls["elastic"]}
         state.batch += 1
         stats = opt.stats()
         with open(OUT / "log.jsonl", "a") as f:
             f.write(json.dumps({"batch": state.batch, "rank": hvd.rank(), "size": hvd.size(), "digest": digest(),
                                 "round": stats["round"], "pid": os.getpid(), "elastic": stats["elastic"],
                                 "residual_norm": stats["memory"]["residual_norm"],
-                                "hierarchical": stats.get("hierarchical", {}).get("reason")}) + "\n")
+                                "hierarchical": stats.get("hierarchical", {}).get("reason"),
+                                "local": local}) + "\n")
         if state.batch == CHANGE and hvd.rank() == 0 and MODE != "kill":
             (OUT / "change").touch()
         if state.batch >= CHANGE and not (OUT / "changed").exists():
@@ -87,5 +104,6 @@ def train(state):
         state.commit()
 
 
-state = hvd.elastic.TorchState(model, opt, batch=0)
+state = (hvd.elastic.TorchState(model, opt, batch=0) if local_opt is None else
+         hvd.elastic.TorchState(model, opt, local_model=local_model, local_opt=local_opt, batch=0))
 train(state)

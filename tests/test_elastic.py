@@ -40,6 +40,14 @@ def run_elastic(tmp_path, mode: str, start: int, after: int):
     return by_batch
 
 
+def by_key(by_batch):
+    out = defaultdict(list)
+    for entries in by_batch.values():
+        for e in entries:
+            out[(e["batch"], e["size"])].append(e)
+    return out
+
+
 def check_rescaled(tmp_path, start: int, after: int, survivors: int):
     """Each survivor's residuals on re-entry == its residuals at the commit before the change x after/start
     (bitwise); a worker that joined holds none."""
@@ -82,6 +90,15 @@ def test_elastic_grow_from_two_to_three_with_adamw(tmp_path):
     joined = [e for e in final if e["elastic"]["world_sizes"][0] == 3]
     assert len(joined) == 1, final
     assert all(e["elastic"]["residual_scale"] == [1.5] for e in final if e not in joined), final
+    # local steps in the same TorchState: every rank on the same interval position and sync count, and on
+    # the same parameters right after every sync, before and after the join
+    for (b, size), entries in by_key(by_batch).items():
+        local = [e["local"] for e in entries]
+        assert len({(l["step_in_interval"], l["syncs"]) for l in local}) == 1, (b, local)
+        if local[0]["step_in_interval"] == 0:
+            assert len({l["digest"] for l in local}) == 1, f"local-steps ranks differ after the sync of batch {b}"
+    assert any(size == 3 and es[0]["local"]["step_in_interval"] == 0 for (b, size), es in by_key(by_batch).items())
+    assert all(e["local"]["elastic"]["world_sizes"][-1] == 3 for e in by_batch[40])
     # hierarchical=True: the flat fallback under elastic, stated (process sets are not re-created)
     assert all("Horovod elastic" in e["hierarchical"] for e in final), final
 
