@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import time
 import warnings
 from contextlib import contextmanager
@@ -45,7 +46,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import state as layout
+from . import elastic, state as layout
 from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution
@@ -353,8 +354,15 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._local, self._check_config_fn, self._world_fn = local, check_config, world
         self._description, self._config_checked = description, False
+        # Horovod elastic (horovod_adtopk.elastic): the world size the residuals are scaled for.
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1" and description.get("engine") == "horovod"
+        self._residual_world = local.comm.size()
+        self._membership = {"membership_changes": 0, "syncs": 0, "world_sizes": [self._residual_world],
+                            "residual_scale": []}
 
     def _check_config(self) -> None:
+        if self._elastic and elastic.world_changed(self._residual_world, self._local.comm.size()):
+            self._new_world()  # hosts removed: Horovod skipped sync(); every survivor sees the same change
         if not self._config_checked:
             self._config_checked = True
             if self._local.comm.size() > 1:
@@ -427,6 +435,50 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         layout.restore(entry, local.memory, local.compression if local.sparse else None,
                        {n: p.device for n, p in local.params})
 
+    # --- Horovod elastic (horovod_adtopk.elastic) ----------------------------------------------------------------
+    def _elastic_snapshot(self) -> dict:
+        """``state.commit()``: the inner optimizer's state, the outer state and this rank's residuals, copied."""
+        local = self._local
+        return {"inner": elastic.deep(super(self.__class__, self).state_dict()), "shared": local.shared_state(),
+                "memory": local.memory.state_dict() if local.memory is not None else None,
+                "compressor": elastic.deep(local.compression.state_dict()) if local.sparse else None,
+                "world": self._residual_world}
+
+    def _elastic_restore(self, snap: dict) -> None:
+        """After a failed collective: back to the last commit (the model's handler restores the parameters)."""
+        local = self._local
+        super(self.__class__, self).load_state_dict(elastic.deep(snap["inner"]))
+        local.load_shared(snap["shared"])
+        if local.memory is not None:
+            local.memory.load_state_dict(snap["memory"], {n: p.device for n, p in local.params})
+        if local.sparse:
+            local.compression.load_state_dict(elastic.deep(snap["compressor"]))
+        self._residual_world = snap["world"]
+
+    def _elastic_sync(self) -> None:
+        """After a membership change (collective): rank 0's inner optimizer state, outer parameters, outer
+        momentum and step within the interval on every rank (the model's handler sent rank 0's parameters);
+        residuals kept and rescaled."""
+        local = self._local
+        inner = elastic.broadcast(super(self.__class__, self).state_dict(), local.comm, "hat.elastic.inner")
+        shared = elastic.broadcast(local.shared_state(), local.comm, "hat.elastic.outer")
+        if local.comm.rank() != 0:
+            super(self.__class__, self).load_state_dict(inner)
+            local.load_shared(shared)
+        self._membership["syncs"] += 1
+        self._new_world(force=self._membership["syncs"] > 1)
+
+    def _new_world(self, force: bool = True) -> None:
+        world = self._local.comm.size()
+        if force or world != self._residual_world:
+            self._membership["membership_changes"] += 1
+            self._membership["world_sizes"].append(world)
+            self._membership["residual_scale"].append(elastic.rescale(self._local.memory, self._residual_world, world))
+        self._residual_world = world
+        self._local.plan()
+        self._config_checked = False
+        self._description = dict(self._description, process_set=world)
+
     def reset_compression_state(self) -> None:
         """For Horovod elastic's reset callbacks: drop the residuals, the outer momentum and the interval, and
         start a fresh interval from the (re-broadcast) parameters at the next step; check the configuration
@@ -440,7 +492,9 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         local = self._local
         out = local.stats.as_dict()
         out.update(compressor=self._description["compression"], world_size=local.comm.size(), round=local.syncs,
-                   local_steps=local.report())
+                   local_steps=local.report(), elastic=elastic.deep(self._membership),
+                   memory={"residual_norm": local.memory.norm() if local.memory is not None else 0.0,
+                           "tensors": len(local.memory.residuals) if local.memory is not None else 0})
         return out
 
 
@@ -454,5 +508,6 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, local: LocalSteps, check_co
     namespace = dict(_LocalStepsOptimizer.__dict__)
     if module is not None:
         namespace["__module__"] = module
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    elastic.register()
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticAware), namespace)
     return cls(optimizer.param_groups, local, check_config, world, description)

@@ -110,8 +110,20 @@ class ErrorFeedback:
             if t is not None:
                 torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
 
+    def scale_(self, factor: float) -> None:
+        """Multiply every residual and velocity by ``factor`` (a survivor of an elastic membership change,
+        :mod:`horovod_adtopk.elastic`)."""
+        for store in (self.residuals, self.velocities):
+            for t in store.values():
+                t.mul_(factor)
+
+    def norm(self) -> float:
+        """The L2 norm over every residual of this rank (what it would lose if it died now)."""
+        total = sum(float(t.detach().double().pow(2).sum()) for t in self.residuals.values())
+        return total ** 0.5
+
     def reset(self) -> None:
-        """Forget everything (used on an elastic membership change)."""
+        """Forget everything (``reset_compression_state()``)."""
         self.residuals.clear()
         self.velocities.clear()
 

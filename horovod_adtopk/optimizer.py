@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, hierarchical as hier, overlap as overlap_, paths, state
+from . import config_check, elastic, hierarchical as hier, overlap as overlap_, paths, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -78,6 +78,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._synchronized, self._should_synchronize, self._config_checked = False, True, False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
+        # Horovod elastic (horovod_adtopk.elastic): the world size the residuals are scaled for.
+        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self._residual_world = self._comm.size() if self._comm.included() else 1
+        self._membership = {"membership_changes": 0, "syncs": 0, "world_sizes": [self._residual_world],
+                            "residual_scale": []}
         self._join = JoinGate(self._comm)  # has a member called hvd.join()? asked once per round
         self._intake = GradientIntake(self._parameter_names, sparse_as_dense, self._memory)
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
@@ -101,11 +106,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _start_hierarchical(self, groups) -> None:
         """Agree on the configuration first (a rank without ``hierarchical`` would not join the layout's
-        collectives), then build the process sets and re-plan with the hierarchical exchange kind."""
-        config_check.check(self._comm, self._description)
+        collectives), then build the process sets and re-plan with the hierarchical exchange kind. Under
+        Horovod elastic it falls back to flat without a collective: a worker that joins later builds its
+        optimizer alone, outside ``hvd.elastic.run``, and would wait for the others forever."""
+        if not self._elastic:
+            config_check.check(self._comm, self._description)
         self._hier = self._intake.hierarchical = hier.Hierarchical(
             self._hierarchical_setting, self._compression, self._comm, self.op, hvd.Sum, self.op == hvd.Average,
-            *self._scales(), elastic=os.environ.get("HOROVOD_ELASTIC") == "1")
+            *self._scales(), elastic=self._elastic)
         self._plan_paths()
         self._set_groups(groups)
 
@@ -197,6 +205,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_config(self) -> None:
         """Every member must share the configuration; else all of them raise (before any exchange)."""
+        if self._elastic and elastic.world_changed(self._residual_world, self._world()):
+            self._new_world()  # hosts removed: Horovod skipped sync(); every survivor sees the same change
         if not self._config_checked:
             self._config_checked = True
             config_check.check(self._comm, self._description)
@@ -307,6 +317,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is None:
             return
         self._round = int(ours["round"])
+        self._residual_world = self._world()
         if self._partial is not None and ours.get("partial_sparsification") is not None:
             self._partial.report = ours["partial_sparsification"]
             self._plan_paths()
@@ -316,6 +327,62 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         devices = {n: p.device for p, n in self._parameter_names.items()}
         state.restore(entry, self._memory, self._compression if self._sparse else None, devices)
         hier.load_state(self._hier, entry.get("hierarchical"), devices)
+
+    # --- Horovod elastic (horovod_adtopk.elastic) ----------------------------------------------------------------
+    def _elastic_snapshot(self) -> dict:
+        """``state.commit()``: the wrapped optimizer's state and this rank's private state, copied."""
+        return {"inner": elastic.deep(super(self.__class__, self).state_dict()), "round": self._round,
+                "memory": self._memory.state_dict() if self._memory is not None else None,
+                "compressor": elastic.deep(self._compression.state_dict()) if self._sparse else None,
+                "world": self._residual_world,
+                "partial": elastic.deep(self._partial.report) if self._partial is not None else None}
+
+    def _elastic_restore(self, snap: dict) -> None:
+        """After a failed collective: back to the last commit, residuals with the model (nothing in flight)."""
+        super(self.__class__, self).load_state_dict(elastic.deep(snap["inner"]))
+        self._synchronized, self._should_synchronize = False, True
+        self._reset_round()
+        self._round = snap["round"]
+        if self._memory is not None:
+            self._memory.load_state_dict(snap["memory"], {n: p.device for p, n in self._parameter_names.items()})
+        if self._sparse:
+            self._compression.load_state_dict(elastic.deep(snap["compressor"]))
+        if self._partial is not None:
+            self._partial.report = elastic.deep(snap["partial"])
+        self._residual_world = snap["world"]
+
+    def _elastic_sync(self) -> None:
+        """After a membership change (collective): rank 0's wrapped-optimizer state, round and partial
+        sparsification report on every rank, residuals kept and rescaled, paths re-planned."""
+        if not self._comm.included():
+            return
+        inner = elastic.broadcast(super(self.__class__, self).state_dict(), self._comm, "hat.elastic.inner")
+        shared = elastic.broadcast({"round": self._round,
+                                    "partial": self._partial.report if self._partial is not None else None},
+                                   self._comm, "hat.elastic.shared")
+        if self._comm.rank() != 0:
+            super(self.__class__, self).load_state_dict(inner)
+        self._synchronized, self._should_synchronize = False, True
+        self._reset_round()
+        self._round = int(shared["round"])
+        if self._partial is not None:
+            self._partial.report = shared["partial"]
+        self._membership["syncs"] += 1
+        self._new_world(force=self._membership["syncs"] > 1)
+
+    def _new_world(self, force: bool = True) -> None:
+        """Rescale the residuals to the current world size, re-plan, check the configuration again."""
+        world = self._world()
+        if force or world != self._residual_world:
+            self._membership["membership_changes"] += 1
+            self._membership["world_sizes"].append(world)
+            self._membership["residual_scale"].append(elastic.rescale(self._memory, self._residual_world, world))
+        self._residual_world = world
+        if self._hier is not None:
+            self._hier.reset()
+        self._config_checked = False
+        self._plan_paths()
+        self._description = self._describe()
 
     def reset_compression_state(self) -> None:
         """Forget every rank-private memory (residuals, velocities, adaptive thresholds) and re-plan for the
@@ -332,6 +399,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sender.nonfinite.clear()
         self._reset_round()
         self._config_checked = False
+        self._residual_world = self._world()
         self._plan_paths()
         self._description = self._describe()  # the process set's size may have changed
 
@@ -345,6 +413,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._hier is not None:
             out["hierarchical"] = self._hier.report()
         out["overlap"] = self._overlap.report() if self._overlap is not None else {"enabled": False}
+        out["memory"] = {"residual_norm": self._memory.norm() if self._memory is not None else 0.0,
+                         "tensors": len(self._memory.residuals) if self._memory is not None else 0}
+        out["elastic"] = elastic.deep(self._membership)
         return out
 
 
@@ -510,7 +581,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     # ``hvd.DistributedOptimizer = hat.DistributedOptimizer`` that would name this module, and ranks whose
     # optimizer has no state yet would start a collective the others never join (a silent hang).
     namespace["__module__"] = _horovod_optimizer.__name__
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    elastic.register()  # hvd.elastic.TorchState(optimizer=...) then uses horovod_adtopk.elastic's handler
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticAware), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
                profile_rounds, warmup_steps, hierarchical, overlap)

@@ -39,9 +39,9 @@ def wrap(round_: int, world_size: int, description: dict, ranks: dict, partial_r
 def unwrap(ours: dict, description: dict, rank: int, size: int, memory=None,
            shapes: Optional[dict] = None) -> Optional[dict]:
     """Validate a saved state against this optimizer (its compression ``description``, its error-feedback
-    ``memory`` or None, its parameter ``shapes``: name -> shape); return this rank's entry, or None (with a
-    warning when memory is lost) if the state has none for this rank of this world size. Nothing is changed:
-    a state that does not fit raises here."""
+    ``memory`` or None, its parameter ``shapes``: name -> shape); return this rank's entry: its own for the
+    same world size, folded from every rank's (:func:`fold`) for another world size, or None (with a warning
+    when memory is lost) if the state lacks them. Nothing is changed: a state that does not fit raises here."""
     has_memory = memory is not None
     if ours.get("format") != STATE_FORMAT:
         raise ValueError(f"unknown horovod_adtopk state format {ours.get('format')!r}; expected {STATE_FORMAT}")
@@ -49,8 +49,12 @@ def unwrap(ours: dict, description: dict, rank: int, size: int, memory=None,
     if saved != description:
         raise ValueError(f"checkpoint was written with compression {saved}, but this optimizer uses "
                          f"{description}; resume with the same compressor settings")
-    entry = {int(k): v for k, v in ours["ranks"].items()}.get(rank)
-    if entry is None or int(ours["world_size"]) != size:
+    ranks = {int(k): v for k, v in ours["ranks"].items()}
+    saved_size = int(ours["world_size"])
+    entry = ranks.get(rank) if saved_size == size else None
+    if entry is None and saved_size != size and sorted(ranks) == list(range(saved_size)):
+        entry = fold(ranks, saved_size, size, rank)
+    if entry is None:
         if has_memory:
             warnings.warn(f"horovod_adtopk: the state dict holds compression state for ranks "
                           f"{sorted(ours['ranks'])} of {ours['world_size']}, not for rank {rank} of {size}; "
@@ -59,6 +63,37 @@ def unwrap(ours: dict, description: dict, rank: int, size: int, memory=None,
         return None
     if memory is not None:  # a dry run on a scratch memory: refuses memory that does not fit the model
         ErrorFeedback(memory.momentum).load_state_dict(entry["memory"], shapes=shapes)
+    return entry
+
+
+def fold(ranks: dict, old_size: int, new_size: int, rank: int) -> dict:
+    """This rank's entry of a world of ``new_size`` from every rank's entry of a world of ``old_size``
+    (a gathered checkpoint resumed at another world size, e.g. after an elastic restart).
+
+    Each residual is in units of its rank's own gradient and the exchange averages, so the update the ranks
+    still owe is ``sum_i r_i / W``. New rank ``j`` takes the old ranks ``i`` with ``i mod W' == j``::
+
+        r'_j = (W' / W) * sum_{i mod W' == j} r_i      =>   sum_j r'_j / W' == sum_i r_i / W
+
+    (momentum-correction velocities alike), so nothing owed is lost or applied twice. The adaptive
+    compressor state and, with local steps, the wrapped optimizer's state come from old rank ``j mod W``;
+    the hierarchical block memory and mid-interval local parameters depend on the layout and are dropped."""
+    members = [i for i in range(old_size) if i % new_size == rank]
+    factor = new_size / old_size
+    memory: dict = {}
+    for store in ("residuals", "velocities"):
+        out: dict = {}
+        for i in members:
+            for name, t in ranks[i].get("memory", {}).get(store, {}).items():
+                t = t.detach()
+                out[name] = t.clone() if name not in out else out[name] + t
+        memory[store] = {name: t.mul_(factor) for name, t in out.items()}
+    source = ranks[rank % old_size]
+    memory["momentum"] = source.get("memory", {}).get("momentum")
+    entry = {"memory": memory if source.get("memory") else {}, "compressor": source.get("compressor", {}),
+             "folded_from": members}
+    if "inner_optimizer" in source:
+        entry["inner_optimizer"] = source["inner_optimizer"]
     return entry
 
 

@@ -251,8 +251,8 @@ def reset_interval(args, outdir):
 
 def other_world(args, outdir):
     """A gather_state_dict file written mid-interval at one world size (``args["write"]``), loaded at another
-    (``args["read"]``): the outer state carries over, residuals start empty, the interval restarts from the
-    outer parameters, with a warning."""
+    (``args["read"]``): the outer state carries over, the residuals fold into the new world size, the interval
+    restarts from the outer parameters, with a warning."""
     import warnings
     import horovod.torch as hvd
     model = linear_model()

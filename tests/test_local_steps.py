@@ -233,11 +233,14 @@ def test_reset_for_elastic_starts_a_fresh_interval():
 
 
 def test_checkpoint_from_another_world_size():
-    for r in job("horovod", 3):
+    """Written at 2 ranks, read at 3: the outer state carries over; the residuals fold (new rank j takes old
+    rank j's, scaled 3/2; rank 2 none: horovod_adtopk.state.fold); the interval restarts from the outer
+    parameters, with a warning."""
+    for rank, r in enumerate(job("horovod", 3)):
         got = r["other_world"]
         assert got["step"] == 0 and got["syncs"] == 1 and got["params_are_outer"] and got["momentum_kept"], got
-        assert got["residuals"] == 0
-        assert any("holds compression state for ranks" in w for w in got["warnings"]), got["warnings"]
+        assert (got["residuals"] > 0) == (rank < 2), (rank, got)
+        assert not any("holds compression state for ranks" in w for w in got["warnings"]), got["warnings"]
         assert any("interval restarts from the outer parameters" in w for w in got["warnings"]), got["warnings"]
 
 

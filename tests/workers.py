@@ -363,3 +363,30 @@ def transformer_reference(args, outdir):
     np.savez(Path(outdir, f"gpt_rank{rank}.npz"), **arrays)
     return {"names": [n for n, _ in named], "shapes": {n: list(p.shape) for n, p in named},
             "stats": opt.stats()["tensors"]}
+
+
+def fold_resume(args, outdir):
+    """For each spec: phase 'write' (3 ranks): N steps, then rank 0 writes the gathered state; phase 'read'
+    (2 ranks, new processes): load it, dump this rank's residuals and velocities, take one more step."""
+    rank, out = hvd.rank(), {}
+    for si, spec in enumerate(args["specs"]):
+        model, opt = _fresh(spec)
+        ckpt = Path(args.get("first_dir", outdir), f"ckpt{si}.pt")
+        if args["phase"] == "write":
+            _train_steps(model, opt, rank, 0, args["steps"])
+            full_state = opt.gather_state_dict()
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "optimizer": full_state}, ckpt)
+            out[str(si)] = {"round": opt.stats()["round"]}
+            continue
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        mine = opt.state_dict()["horovod_adtopk"]["ranks"][rank]["memory"]
+        np.savez(Path(outdir, f"fold{si}_rank{rank}.npz"),
+                 **{f"residuals/{k}": v.numpy() for k, v in mine["residuals"].items()},
+                 **{f"velocities/{k}": v.numpy() for k, v in mine["velocities"].items()})
+        round_ = opt.stats()["round"]
+        _train_steps(model, opt, rank, args["steps"], args["steps"] + 1)
+        out[str(si)] = {"round": round_, "digest": params_digest(model)}
+    return out
