@@ -7,8 +7,9 @@ at 1 Gbit/s, each host's own name on 127.0.1.1). On every host one torchrun agen
              --monitor-interval 0.5 --rdzv-conf RDZV_CONF -m tests.elastic_ddp_worker OUTDIR
              <examples/train.py --engine ddp --elastic ...>
 
-runs examples/train.py (Fashion-MNIST CNN, ADTopk at ratio 0.01 with momentum correction, a short compression
-warm-up so that the residuals matter, a checkpoint every 5 steps) through tests/elastic_ddp_worker.py, which
+runs examples/train.py (Fashion-MNIST CNN, one epoch of 79 steps of 3 x 256 samples under a cosine schedule,
+ADTopk at ratio 0.01 with momentum correction, a short compression warm-up so that the residuals matter, a
+checkpoint every 5 steps) through tests/elastic_ddp_worker.py, which
 records when each worker process completed its first step and, at the end, every rank's parameter digest and
 final test accuracy (the whole test set).
 
@@ -40,13 +41,16 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
 import pytest
+import torch
 
 from tests.cluster import Cluster, ClusterUnavailable, unavailable_reason
 from tests.harness import REPO, kill_tree
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-STEPS = 100
+BATCH = 256  # per rank at 3 nodes: one epoch is ceil(ceil(60000 / 3) / 256) = 79 steps, the cosine anneals to 0
+STEPS = 79
 CKPT_EVERY = 5
 FAULT_AFTER = 15  # the fault comes once this step is checkpointed at 3 nodes
 TIMEOUT = 300  # one job, launch to exit, on a loaded 2-core machine
@@ -57,7 +61,8 @@ ACCURACY_TOLERANCE = 0.005
 # before closes it at once).
 RDZV_CONF = "join_timeout=180,last_call_timeout=5,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
 TRAIN_ARGS = ["--engine", "ddp", "--elastic", "--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01",
-              "--dense-rounds", "5", "--density-warmup", "20", "--warmup-steps", "10", "--max-steps", str(STEPS),
+              "--dense-rounds", "5", "--density-warmup", "20", "--warmup-steps", "10", "--batch-size", str(BATCH),
+              "--epochs", "1",
               "--checkpoint-every", str(CKPT_EVERY), "--no-progress", "--log-every", "0"]
 ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'examples'}", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
        # Gloo would otherwise use the hostname's address: 127.0.1.1 on every host
@@ -243,3 +248,41 @@ def test_host_lost_then_rejoins(cluster: Cluster, reference, tmp_path: Path):
     print(f"final test accuracy {100 * acc:.2f}% against the reference's {100 * ref_acc:.2f}% "
           f"({100 * (acc - ref_acc):+.2f} pt)")
     assert abs(acc - ref_acc) <= ACCURACY_TOLERANCE, f"accuracy {acc:.4f} vs the reference's {ref_acc:.4f}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The fold itself, without a cluster: a gathered DDP-engine state written at 3 ranks, loaded at 2
+# --------------------------------------------------------------------------------------------------------
+
+FOLD_SPECS = [{"compressor": "adtopk", "kwargs": {"ratio": 0.05, "min_numel": 0, "hybrid": False}},
+              {"compressor": "dgc", "kwargs": {"ratio": 0.05, "momentum": 0.9, "min_numel": 0, "hybrid": False},
+               "naming": "positional"}]
+
+
+def test_gathered_ddp_state_folds_residuals_into_two_ranks(tmp_path: Path):
+    """hat.ddp's CompressionState.gather_state_dict() at 3 Gloo ranks, loaded by 2 new processes: new rank j holds
+    (2/3) * sum of the old ranks i with i mod 2 == j (residuals, and DGC's velocities), so
+    sum_j r'_j / 2 == sum_i r_i / 3 (numpy reference); no warning; both ranks step on to the same parameters."""
+    from tests.test_ddp import ddp_results
+
+    k = 4
+    args = {"k": k, "ckpt_dir": str(tmp_path), "compressors": FOLD_SPECS}
+    ddp_results("fold_resume", 3, dict(args, phase="write"), timeout=180)
+    *second, outdir = ddp_results("fold_resume", 2, dict(args, phase="read"), timeout=180)
+    for si, spec in enumerate(FOLD_SPECS):
+        assert [r[str(si)]["round"] for r in second] == [k + 1, k + 1]
+        assert [r[str(si)]["warnings"] for r in second] == [[], []], spec
+        assert second[0][str(si)]["digest"] == second[1][str(si)]["digest"]
+        saved = torch.load(tmp_path / f"fold{si}.pt", weights_only=True)["hook"]
+        assert saved["world_size"] == 3 and sorted(saved["ranks"]) == [0, 1, 2]
+        stores = ["residuals"] + (["velocities"] if spec["kwargs"].get("momentum") else [])
+        for store in stores:
+            names = saved["ranks"][0]["memory"][store].keys()
+            assert names, (spec, store)
+            for name in names:
+                old = [saved["ranks"][i]["memory"][store][name].double().numpy() for i in range(3)]
+                new = [np.load(Path(outdir, f"fold{si}_rank{j}.npz"))[f"{store}/{name}"] for j in range(2)]
+                assert np.abs(old[2]).sum() > 0, (spec, store, name)  # rank 2's memory is not empty
+                np.testing.assert_allclose(new[0], (old[0] + old[2]) * 2 / 3, rtol=1e-6, atol=1e-9)
+                np.testing.assert_allclose(new[1], old[1] * 2 / 3, rtol=1e-6, atol=1e-9)
+                np.testing.assert_allclose(sum(new) / 2, sum(old) / 3, rtol=1e-5, atol=1e-8)

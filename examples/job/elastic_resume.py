@@ -9,15 +9,18 @@ each start resumes from the newest checkpoint in ``--checkpoint-dir``, which ``W
   it onto the new ranks, new rank ``j`` receiving ``(W'/W) * sum_{i mod W' = j} r_i`` (residuals and DGC
   velocities), so the update still owed, ``sum_i r_i / W``, is unchanged. This module checks that on every
   restart (one allreduce of the memory) and logs what it found: folded, or lost.
-* the plan in steps: the warm-up, the cosine horizon and the run's length are those of the world size the job
-  started with (kept in the checkpoint's config as ``plan_steps_per_epoch``, ``warmup_steps``,
-  ``schedule_horizon``), so the learning rate stays a function of the step whatever the membership did.
-  SGD's peak rate ``lr x W`` follows the current world size (linear scaling: a step averages ``W'`` batches).
+* the plan: the world size ``W0`` the job started with, and in steps the warm-up, the cosine horizon and the
+  run's length (kept in the checkpoint's config: ``plan_world_size``, ``plan_steps_per_epoch``,
+  ``warmup_steps``, ``schedule_horizon``), so the learning rate stays a function of the step.
+* the batch: ``--batch-size B`` is per rank at ``W0``, and the global batch ``B W0`` is kept whenever ``W'``
+  divides it: each rank then takes ``B W0 / W'`` samples per step, a step averages the same number of samples
+  as in the fault-free run and the rates are the plan's (3 -> 2 ranks at B 64: 96 per rank). Otherwise each
+  rank keeps ``B`` and SGD's peak rate follows the world size, ``lr x W'`` (linear scaling), logged as such.
 * the data position: ``DistributedSampler`` shuffles all ``N`` indices with ``seed + epoch`` whatever the world
   size and gives rank ``r`` the positions ``r, r + W, r + 2W, ...``; after ``b`` batches of ``B`` the ``W`` ranks
-  have consumed exactly the first ``S = b B W`` positions of the epoch's permutation. At ``W'`` the epoch goes on
-  at batch ``floor(S / (B W'))`` of the new layout: the same permutation, fewer than ``B W'`` samples seen a
-  second time, none skipped; the epoch then has the new world size's number of steps.
+  have consumed exactly the first ``S = b B W`` positions of the epoch's permutation. At ``W'`` (batch ``B'``)
+  the epoch goes on at batch ``floor(S / (B' W'))`` of the new layout: the same permutation, none skipped, fewer
+  than ``B' W'`` samples seen a second time (none when the global batch is kept).
 * RNG: every rank's generator is reseeded from ``(seed, step, rank, W')`` (an old rank's stream cannot be split
   or merged): distinct per rank, and the same on every rerun of the same restart.
 * the epoch's running training loss: every new rank starts from the old ranks' mean, so the epoch's average
@@ -37,6 +40,8 @@ from .state import Job, Progress
 # Config keys that follow the world size; under --elastic they come from the checkpoint, never compared.
 WORLD_KEYS = ("world_size", "warmup_steps", "schedule_horizon")
 PLAN_KEY = "plan_steps_per_epoch"
+PLAN_WORLD_KEY = "plan_world_size"
+RANK_BATCH_KEY = "rank_batch_size"  # the per-rank batch a start trained with (--batch-size scaled, see apply_plan)
 # torchrun (c10d rendezvous) by default lets the workers share the agents' TCPStore across rendezvous rounds:
 # the keys a lost round's workers left there (their Gloo addresses) are read by the next round's, which then
 # connect to dead ports ("Connection refused") until the restarts run out, and a node joining later waits for a
@@ -59,17 +64,18 @@ def elastic_ddp(job: Job) -> bool:
     return bool(getattr(job.args, "elastic", False)) and getattr(job.engine, "name", "") == "ddp"
 
 
-def steps_per_epoch_at(job: Job, world: int) -> int:
-    """``ceil(ceil(N / W) / B)``: what ``DistributedSampler`` gives each of ``world`` ranks, in batches."""
-    return math.ceil(math.ceil(len(job.train_set) / world) / job.args.batch_size)
+def steps_per_epoch_at(job: Job, world: int, rank_batch: int) -> int:
+    """``ceil(ceil(N / W) / B)``: what ``DistributedSampler`` gives each of ``world`` ranks, in batches of ``B``."""
+    return math.ceil(math.ceil(len(job.train_set) / world) / rank_batch)
 
 
-def plan_of(job: Job, ckpt: Optional[dict]) -> int:
-    """Steps per epoch of the world size the job started with (the checkpoint's plan; this run's when fresh)."""
+def plan_of(job: Job, ckpt: Optional[dict]) -> Tuple[int, int]:
+    """``(steps per epoch, world size)`` of the start that made the plan: the checkpoint's, or this run's."""
     if ckpt is None:
-        return job.steps_per_epoch
+        return job.steps_per_epoch, job.world
     cfg = ckpt["config"]
-    return int(cfg.get(PLAN_KEY) or steps_per_epoch_at(job, int(cfg["world_size"])))
+    world = int(cfg.get(PLAN_WORLD_KEY) or cfg["world_size"])
+    return int(cfg.get(PLAN_KEY) or steps_per_epoch_at(job, world, job.args.batch_size)), world
 
 
 def world_change_diffs(job: Job, ckpt: dict) -> List[str]:
@@ -81,22 +87,33 @@ def world_change_diffs(job: Job, ckpt: dict) -> List[str]:
 
 
 def apply_plan(job: Job, ckpt: Optional[dict]) -> None:
-    """The schedule and the run's length from the plan in steps (see the module docstring), on every start."""
+    """The batch, the schedule and the run's length from the plan (see the module docstring), on every start.
+
+    With ``B`` = ``--batch-size`` and ``W0`` the plan's world size, the global batch ``B W0`` is kept when ``W'``
+    divides it (each rank takes ``B W0 / W'``; the rates are the plan's); otherwise each rank keeps ``B`` and
+    SGD's peak rate becomes ``lr x W'``."""
     from .build import lr_factor  # build imports resume, which imports this module
 
-    args, spe = job.args, plan_of(job, ckpt)
+    args = job.args
+    spe, plan_world = plan_of(job, ckpt)
+    batch = job.config["batch_size"]  # --batch-size: per rank at the plan's world size
+    keep_global = (batch * plan_world) % job.world == 0
+    args.batch_size = batch * plan_world // job.world if keep_global else batch
+    job.steps_per_epoch = math.ceil(len(job.sampler) / args.batch_size)
     warmup = spe if args.warmup_steps is None else args.warmup_steps
     horizon = args.epochs * spe
     job.warmup = warmup
     job.total_steps = horizon if args.max_steps is None else min(horizon, args.max_steps)
-    job.config.update({PLAN_KEY: spe, "warmup_steps": warmup, "world_size": job.world,
+    job.config.update({PLAN_KEY: spe, PLAN_WORLD_KEY: plan_world, RANK_BATCH_KEY: args.batch_size,
+                       "warmup_steps": warmup, "world_size": job.world,
                        "schedule_horizon": horizon if args.lr_schedule == "cosine" else None})
     scaled = args.optimizer == "sgd" and not getattr(args, "sync_every", 0)
-    schedule = dict(world=job.world, warmup=warmup, kind=args.lr_schedule, horizon=horizon, scaled=scaled)
+    lr_world = plan_world if keep_global else job.world
+    schedule = dict(world=lr_world, warmup=warmup, kind=args.lr_schedule, horizon=horizon, scaled=scaled)
     sched = job.scheduler
     sched.lr_lambdas = [lambda step: lr_factor(step, **schedule) for _ in job.opt.param_groups]
-    # the checkpoint's param groups and scheduler carry the old world's base rate: the base is args.lr (x W')
-    base = args.lr * job.world if scaled else args.lr
+    # the checkpoint's param groups and scheduler carry the rate they were saved with: set it from the plan
+    base = args.lr * lr_world if scaled else args.lr
     sched.base_lrs = [base for _ in job.opt.param_groups]
     step = max(sched.last_epoch, 0)
     for group, fn in zip(job.opt.param_groups, sched.lr_lambdas):
@@ -107,16 +124,18 @@ def apply_plan(job: Job, ckpt: Optional[dict]) -> None:
 def restore_position(job: Job, ckpt: dict, progress: Progress) -> Tuple[int, int]:
     """World-size change: this rank's RNG, the position inside the epoch and the running loss (module
     docstring). Returns ``(batch in the old layout, samples of the epoch seen a second time)``."""
-    old_world, B = int(ckpt["config"]["world_size"]), job.args.batch_size
+    cfg = ckpt["config"]
+    old_world, old_batch_size = int(cfg["world_size"]), int(cfg.get(RANK_BATCH_KEY) or cfg["batch_size"])
     progress.step, progress.epoch = int(ckpt["step"]), int(ckpt["epoch"])
     old_batch = int(ckpt["batch_in_epoch"])
-    consumed = old_batch * B * old_world
-    progress.batch = consumed // (B * job.world)
+    consumed = old_batch * old_batch_size * old_world
+    per_step = job.args.batch_size * job.world
+    progress.batch = consumed // per_step
     sums = [float(x) for x in ckpt["train_loss_sum"]]
     progress.loss_sum, progress.loss_count = sum(sums) / len(sums), int(ckpt["train_loss_count"])
     seed = (int(job.args.seed) * 1_000_003 + progress.step * 7919 + job.rank * 131 + job.world) % (2 ** 63)
     torch.manual_seed(seed)
-    return old_batch, consumed - progress.batch * B * job.world
+    return old_batch, consumed - progress.batch * per_step
 
 
 def _memory(job: Job):
@@ -171,6 +190,7 @@ def log_world_change(job: Job, ckpt: dict, path: str, progress: Progress, old_ba
                   f"after the load, max difference {diff:.3g})")
     peak = job.scheduler.base_lrs[0]
     LOG.info(f"elastic: world size {old_world} -> {job.world} at step {progress.step} ({path}): {memory}; epoch "
-             f"{progress.epoch + 1} goes on at batch {progress.batch}/{job.steps_per_epoch} (was "
-             f"{old_batch}/{steps_per_epoch_at(job, old_world)} at {old_world} ranks; {replayed} samples of the epoch "
-             f"seen again); peak lr {peak:.6g}, plan {job.total_steps} steps, warm-up {job.warmup}")
+             f"{progress.epoch + 1} goes on at batch {progress.batch}/{job.steps_per_epoch} (was {old_batch} at "
+             f"{old_world} ranks; {replayed} samples of the epoch seen again); batch {job.args.batch_size}/rank "
+             f"(global {job.args.batch_size * job.world}), peak lr {peak:.6g}, plan {job.total_steps} steps, "
+             f"warm-up {job.warmup}")
