@@ -134,6 +134,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "damaged newest checkpoint leaves a previous one to resume from")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --checkpoint-dir")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic training, ranks may be lost or join: --engine horovod under horovodrun --min-np/"
+                        "--max-np/--host-discovery-script (hvd.elastic.run, the state committed in memory); --engine "
+                        "ddp under torchrun --nnodes MIN:MAX --max-restarts N (needs --checkpoint-dir, implies "
+                        "--resume: every restart continues from the newest checkpoint, also one of another world "
+                        "size, with the error-feedback residuals folded onto the new ranks)")
     p.add_argument("--metrics-out", default=None,
                    help="JSONL file: one line per evaluation; the last (\"final\": true) is the run's summary")
     p.add_argument("--summary-json", default=None, help="also write the run's summary (one JSON object) here")
