@@ -199,6 +199,40 @@ def resume_run(args, outdir):
     return out
 
 
+def fold_resume(args, outdir):
+    """Per spec: ``phase="write"`` (W ranks): ``k`` steps, then rank 0 saves the gathered hook state
+    (``gather_state_dict``); ``phase="read"`` (W' ranks, new processes): load it, dump this rank's residuals and
+    velocities to ``fold<i>_rank<r>.npz``, note any warning, take one more step; the round and a digest."""
+    import warnings
+
+    rank, k = dist.get_rank(), args["k"]
+    out = {}
+    for si, spec in enumerate(args["compressors"]):
+        path = Path(args["ckpt_dir"], f"fold{si}.pt")
+        module, model, state, opt = _build(spec)
+        if args["phase"] == "write":
+            _steps(model, opt, 0, k)
+            gathered = state.gather_state_dict()
+            if rank == 0:
+                torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "hook": gathered}, path)
+            dist.barrier()
+            out[str(si)] = {"round": state.round}
+            continue
+        ckpt = torch.load(path, weights_only=True)
+        module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state.load_state_dict(ckpt["hook"])
+        mem = state.memory
+        np.savez(Path(outdir, f"fold{si}_rank{rank}.npz"),
+                 **{f"residuals/{n}": t.double().numpy() for n, t in mem.residuals.items()},
+                 **{f"velocities/{n}": t.double().numpy() for n, t in mem.velocities.items()})
+        _steps(model, opt, k, k + 1)
+        out[str(si)] = {"round": state.round, "digest": digest(module), "warnings": [str(w.message) for w in caught]}
+    return out
+
+
 def _same_memory(a, b) -> bool:
     if a.memory is None or b.memory is None:
         return a.memory is None and b.memory is None

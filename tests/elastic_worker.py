@@ -4,7 +4,10 @@
 
 MODE ``shrink``: 3 workers, rank 0 creates ``$HAT_ELASTIC_DIR/change`` at batch 15, which makes the host
 discovery script drop one slot (Horovod then skips ``sync()``). MODE ``grow``: 2 workers, the file adds a slot
-(a new worker joins with an empty AdamW state; ``sync()`` runs). Each rank appends one JSON line per committed
+(a new worker joins with an empty AdamW state; ``sync()`` runs). MODE ``kill``: 3 workers on two "hosts"
+(``localhost`` and ``127.0.0.1``), committing after odd steps only; the one on ``127.0.0.1`` SIGKILLs itself
+after step 16, so the others fail in step 17's exchange, restore the commit of step 15 (residuals included)
+and go on with 2. Each rank appends one JSON line per committed
 batch to ``$HAT_ELASTIC_DIR/log.jsonl`` (world size, round, a digest of its parameters); before every commit it
 saves its residuals to ``commit_<pid>_<size>.pt`` and, on entering the training function after a membership change,
 the residuals it holds then to ``after_<pid>_<size>.pt`` (for the test's check of the rescaling).
@@ -12,6 +15,7 @@ the residuals it holds then to ``after_<pid>_<size>.pt`` (for the test's check o
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,10 +41,18 @@ else:
 opt = hat.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
                                compression=hat.Compression.adtopk(ratio=0.05, min_numel=0), hierarchical=MODE == "grow")
 
+# grow: a second model with local steps (sync_every=3, AdamW inside, ADTopk on the pseudo-gradient) in the same
+# TorchState; its parameters agree across ranks right after each sync
+local_model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+local_opt = hat.DistributedOptimizer(torch.optim.AdamW(local_model.parameters(), lr=0.01, weight_decay=0.1),
+                                     named_parameters=local_model.named_parameters(),
+                                     compression=hat.Compression.adtopk(ratio=0.1, min_numel=0), sync_every=3,
+                                     outer=hat.Outer.nesterov(0.7, 0.9)) if MODE == "grow" else None
 
-def digest():
+
+def digest(m=None):
     h = hashlib.sha256()
-    for _, p in sorted(model.state_dict().items()):
+    for _, p in sorted((m or model).state_dict().items()):
         h.update(p.detach().numpy().tobytes())
     return h.hexdigest()[:16]
 
@@ -64,20 +76,34 @@ def train(state):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+        local = None
+        if local_opt is not None:
+            local_opt.zero_grad()
+            torch.nn.functional.cross_entropy(local_model(x), y).backward()
+            local_opt.step()
+            ls = local_opt.stats()
+            local = {"step_in_interval": ls["local_steps"]["step_in_interval"], "syncs": ls["round"],
+                     "digest": digest(local_model), "elastic": ls["elastic"]}
         state.batch += 1
         stats = opt.stats()
         with open(OUT / "log.jsonl", "a") as f:
             f.write(json.dumps({"batch": state.batch, "rank": hvd.rank(), "size": hvd.size(), "digest": digest(),
                                 "round": stats["round"], "pid": os.getpid(), "elastic": stats["elastic"],
                                 "residual_norm": stats["memory"]["residual_norm"],
-                                "hierarchical": stats.get("hierarchical", {}).get("reason")}) + "\n")
-        if state.batch == CHANGE and hvd.rank() == 0:
+                                "hierarchical": stats.get("hierarchical", {}).get("reason"),
+                                "local": local}) + "\n")
+        if state.batch == CHANGE and hvd.rank() == 0 and MODE != "kill":
             (OUT / "change").touch()
         if state.batch >= CHANGE and not (OUT / "changed").exists():
             time.sleep(0.3)  # give the driver's host discovery (once a second) time to see the change
+        if MODE == "kill" and state.batch == CHANGE + 1 and os.environ.get("HOROVOD_HOSTNAME") == "127.0.0.1":
+            os.kill(os.getpid(), signal.SIGKILL)  # after a full step past the commit; the others fail in the next
+        if MODE == "kill" and state.batch % 2 == 0:
+            continue  # commit every second step: a failure then rolls back a step that changed the residuals
         torch.save(residuals(), OUT / f"commit_{os.getpid()}_{hvd.size()}.pt")
         state.commit()
 
 
-state = hvd.elastic.TorchState(model, opt, batch=0)
+state = (hvd.elastic.TorchState(model, opt, batch=0) if local_opt is None else
+         hvd.elastic.TorchState(model, opt, local_model=local_model, local_opt=local_opt, batch=0))
 train(state)

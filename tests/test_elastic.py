@@ -15,25 +15,37 @@ from tests.harness import HOROVODRUN, run_command
 
 def run_elastic(tmp_path, mode: str, start: int, after: int):
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/change ]; then echo localhost:{after}; "
-                        f"else echo localhost:{start}; fi\n")
+    if mode == "kill":  # two local "hosts": Horovod blacklists the failed one, the other goes on
+        discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")
+    else:
+        discover.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/change ]; then echo localhost:{after}; "
+                            f"else echo localhost:{start}; fi\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
     cmd = [HOROVODRUN, "-np", str(start), "--min-np", "2", "--max-np", "3", "--network-interface", "lo",
            "--host-discovery-script", str(discover), "--gloo", sys.executable, "-m", "tests.elastic_worker", mode]
     rc, out, seconds = run_command(cmd, timeout=240, env={"HAT_ELASTIC_DIR": str(tmp_path)})
     assert rc == 0, out[-5000:]
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    by_batch = defaultdict(list)
+    by_batch, by_key = defaultdict(list), defaultdict(list)
     for r in rows:
         by_batch[r["batch"]].append(r)
-    assert max(by_batch) == 40
+        by_key[(r["batch"], r["size"])].append(r)  # a step replayed after a failure logs again at the new size
+    assert max(by_batch) == 40, out[-5000:]
     sizes = [sorted({r["size"] for r in by_batch[b]}) for b in sorted(by_batch)]
     assert sizes[0] == [start] and sizes[-1] == [after], sizes
-    for b, entries in by_batch.items():
+    for (b, size), entries in by_key.items():
         assert len({e["digest"] for e in entries}) == 1, f"ranks disagree at batch {b}: {entries}"
         assert len({e["round"] for e in entries}) == 1, f"ranks disagree on the round at batch {b}: {entries}"
-        assert len(entries) == entries[0]["size"], entries
+        assert len(entries) == size, entries
     return by_batch
+
+
+def by_key(by_batch):
+    out = defaultdict(list)
+    for entries in by_batch.values():
+        for e in entries:
+            out[(e["batch"], e["size"])].append(e)
+    return out
 
 
 def check_rescaled(tmp_path, start: int, after: int, survivors: int):
@@ -78,6 +90,15 @@ def test_elastic_grow_from_two_to_three_with_adamw(tmp_path):
     joined = [e for e in final if e["elastic"]["world_sizes"][0] == 3]
     assert len(joined) == 1, final
     assert all(e["elastic"]["residual_scale"] == [1.5] for e in final if e not in joined), final
+    # local steps in the same TorchState: every rank on the same interval position and sync count, and on
+    # the same parameters right after every sync, before and after the join
+    for (b, size), entries in by_key(by_batch).items():
+        local = [e["local"] for e in entries]
+        assert len({(l["step_in_interval"], l["syncs"]) for l in local}) == 1, (b, local)
+        if local[0]["step_in_interval"] == 0:
+            assert len({l["digest"] for l in local}) == 1, f"local-steps ranks differ after the sync of batch {b}"
+    assert any(size == 3 and es[0]["local"]["step_in_interval"] == 0 for (b, size), es in by_key(by_batch).items())
+    assert all(e["local"]["elastic"]["world_sizes"][-1] == 3 for e in by_batch[40])
     # hierarchical=True: the flat fallback under elastic, stated (process sets are not re-created)
     assert all("Horovod elastic" in e["hierarchical"] for e in final), final
 
@@ -113,3 +134,16 @@ def test_gathered_checkpoint_folds_residuals_into_another_world_size():
                 np.testing.assert_allclose(new[0], (old[0] + old[2]) * 2 / 3, rtol=1e-6, atol=1e-9)
                 np.testing.assert_allclose(new[1], old[1] * 2 / 3, rtol=1e-6, atol=1e-9)
                 np.testing.assert_allclose(sum(new) / 2, sum(old) / 3, rtol=1e-5, atol=1e-8)
+
+
+def test_elastic_sigkill_rolls_residuals_back_with_the_model(tmp_path):
+    """A worker dies one full step after the last commit: the survivors' next exchange fails, restore() takes
+    the model, the optimizer and the residuals back to that commit together (the step in between had changed
+    the residuals), sync() rescales them by 2/3 (bitwise checked), training goes on at 2 with every rank
+    identical; the uncommitted step is replayed from the commit, not applied twice."""
+    by_batch = run_elastic(tmp_path, "kill", 3, 2)
+    check_rescaled(tmp_path, 3, 2, survivors=2)
+    # step 16 ran at 3 and, after the failure in step 17, again at 2 (replayed from the commit of step 15)
+    assert sorted(e["size"] for e in by_batch[16]) == [2, 2, 3, 3, 3], by_batch[16]
+    assert sorted(e["size"] for e in by_batch[17]) == [2, 2], by_batch[17]
+    assert all(e["elastic"]["membership_changes"] == 1 for e in by_batch[40]), by_batch[40]

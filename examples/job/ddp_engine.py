@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import sys
 from datetime import timedelta
 from typing import Any, List
 
@@ -100,6 +101,7 @@ class DDPEngine:
         dist.init_process_group(("nccl" if self.cuda else "gloo") if backend == "auto" else backend,
                                 timeout=timedelta(seconds=120))
         atexit.register(_shutdown)  # an orderly end of the process group's threads before the interpreter's
+        _note_failures()
         self.init_mode = "torchrun"
 
     @property
@@ -180,11 +182,31 @@ class DDPEngine:
         return box[0]
 
 
+_FAILED = []  # set when the process ends with an uncaught exception (see _note_failures)
+
+
+def _note_failures() -> None:
+    """Remember an uncaught exception (its traceback is printed first, then atexit runs ``_shutdown``)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        _FAILED.append(kind.__name__)
+        previous(kind, value, tb)
+
+    if not getattr(sys.excepthook, "_hat_notes_failures", False):
+        hook._hat_notes_failures = True
+        sys.excepthook = hook
+
+
 def _shutdown() -> None:
     """Wait for every rank (at most 30 s), then destroy the group: a rank that tears its Gloo threads down
     while a peer still talks to it was seen to abort at exit ("terminate called without an active
-    exception") after a successful run."""
+    exception") after a successful run. After an uncaught exception (a peer lost) no barrier: the survivors
+    exit at once, and under torchrun their agent restarts them sooner."""
     if dist.is_initialized():
+        if _FAILED:
+            dist.destroy_process_group()
+            return
         try:
             if dist.get_backend() == "gloo":
                 dist.monitored_barrier(timeout=timedelta(seconds=30))

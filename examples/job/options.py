@@ -134,6 +134,12 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "damaged newest checkpoint leaves a previous one to resume from")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in --checkpoint-dir")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic training, ranks may be lost or join: --engine horovod under horovodrun --min-np/"
+                        "--max-np/--host-discovery-script (hvd.elastic.run, the state committed in memory); --engine "
+                        "ddp under torchrun --nnodes MIN:MAX --max-restarts N (needs --checkpoint-dir, implies "
+                        "--resume: every restart continues from the newest checkpoint, also one of another world "
+                        "size, with the error-feedback residuals folded onto the new ranks)")
     p.add_argument("--metrics-out", default=None,
                    help="JSONL file: one line per evaluation; the last (\"final\": true) is the run's summary")
     p.add_argument("--summary-json", default=None, help="also write the run's summary (one JSON object) here")
@@ -152,9 +158,19 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "'pip install tensorboard')")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it, or there is none to show (None, False)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of examples/train.py, defaults shown in ``--help``."""
-    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=_HelpFormatter)
     p.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     p.add_argument("--model", default=None,
                    help="cnn, resnet or vgg for fashion-mnist, lstm or gpt for shakespeare (default: cnn / lstm)")

@@ -1,6 +1,10 @@
 """Checkpoints as collectives: every rank takes part in a save (rank 0 writes every rank's state), rank 0
 picks the newest readable checkpoint for ``--resume`` and every rank restores from it, or a fresh run
-broadcasts rank 0's initial state. A failure stops every rank with rank 0's message."""
+broadcasts rank 0's initial state. A failure stops every rank with rank 0's message.
+
+``--engine ddp --elastic`` (torchrun ``--nnodes MIN:MAX --max-restarts R``): every start resumes from the
+newest checkpoint in ``--checkpoint-dir`` (``--resume`` is implied; the first start finds none), also one
+written at another world size (:mod:`job.elastic_resume` says what carries over and how)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +14,8 @@ import torch
 
 from .checkpoints import CKPT_FORMAT, read_checkpoint, resume_candidates, write_checkpoint
 from .common import LOG, JobFailed, agree
+from .elastic_resume import (WORLD_KEYS, apply_plan, elastic_ddp, log_world_change, pending_update,
+                             restore_position, warn_shared_store, world_change_diffs)
 from .state import COUNTER_KEYS, Job, Progress, counter_totals
 
 # Settings a checkpoint must share with the resuming run, or the continuation would not be the same run.
@@ -111,41 +117,66 @@ def find_checkpoint(job: Job) -> Tuple[Optional[str], Optional[dict]]:
 def resume(job: Job) -> Progress:
     """Restore a run from ``--checkpoint-dir`` (``--resume``) or broadcast rank 0's fresh state."""
     progress = Progress(counters={k: 0.0 for k in COUNTER_KEYS})
-    path, ckpt = find_checkpoint(job) if job.args.resume else (None, None)
+    elastic = elastic_ddp(job)
+    if elastic and job.ckpt_dir is None:
+        if job.rank == 0:
+            LOG.error("--engine ddp --elastic needs --checkpoint-dir: a torchrun restart continues from the newest "
+                      "checkpoint there (--checkpoint-every N sets how much a lost host costs)")
+        raise JobFailed(2)
+    if elastic:
+        warn_shared_store(job)
+    path, ckpt = find_checkpoint(job) if job.args.resume or elastic else (None, None)
     if path is None:
         job.engine.broadcast_initial_state(job.model, job.opt)
+        if elastic:
+            apply_plan(job, None)
         return progress
     error = None
     if ckpt is None:  # ranks other than 0 read the file rank 0 chose
         ckpt, why = read_checkpoint(Path(path))
         error = None if ckpt is not None else f"checkpoint {path} is {why}"
     agree(job.engine, error, "resume_read")
-    diffs = [f"{k}: checkpoint {ckpt['config'].get(k)!r}, now {job.config[k]!r}" for k in RESUME_KEYS
+    old_world = int(ckpt["config"].get("world_size", job.world))
+    world_changed = elastic and old_world != job.world
+    keys = [k for k in RESUME_KEYS if not (elastic and k in WORLD_KEYS)]
+    diffs = [f"{k}: checkpoint {ckpt['config'].get(k)!r}, now {job.config[k]!r}" for k in keys
              if ckpt["config"].get(k) != job.config[k]]
+    diffs += world_change_diffs(job, ckpt) if elastic else []
     if diffs:
         if job.rank == 0:
-            LOG.error(f"cannot resume from {path}, the run settings differ: " + "; ".join(diffs))
+            hint = ("" if elastic or "world_size" not in " ".join(diffs) else
+                    " (--engine ddp --elastic resumes at another world size)")
+            LOG.error(f"cannot resume from {path}, the run settings differ: " + "; ".join(diffs) + hint)
         raise JobFailed(2)
-    _restore(job, ckpt, progress)
+    _restore(job, ckpt, progress, world_changed)
+    if elastic:
+        apply_plan(job, ckpt)
+    if world_changed:
+        old_batch, replayed = restore_position(job, ckpt, progress)
+        log_world_change(job, ckpt, path, progress, old_batch, replayed, pending_update(job, ckpt))
+        return progress
     LOG.info(f"resumed from {path} at step {progress.step} "
              f"(epoch {progress.epoch + 1}, batch {progress.batch}/{job.steps_per_epoch})")
     return progress
 
 
-def _restore(job: Job, ckpt: dict, progress: Progress) -> None:
-    """Load model, optimizer (every rank its own residuals), scheduler, this rank's RNG and the counters."""
+def _restore(job: Job, ckpt: dict, progress: Progress, world_changed: bool = False) -> None:
+    """Load model, optimizer (every rank its own residuals), scheduler, this rank's RNG and the counters
+    (``world_changed``: the rank-indexed parts are left to ``elastic_resume.restore_position``)."""
     job.model.load_state_dict(ckpt["model"])
     job.opt.load_state_dict(ckpt["optimizer"])  # every rank picks its own residuals
     job.scheduler.load_state_dict(ckpt["lr_scheduler"])
     for group, lr in zip(job.opt.param_groups, job.scheduler.get_last_lr()):
         group["lr"] = lr
+    progress.counters = {k: float(ckpt["counters"][k]) for k in COUNTER_KEYS}
+    progress.wall_offset = float(ckpt["wall_time"])
+    job.last_ckpt_step = int(ckpt["step"])
+    if world_changed:
+        return
     torch.set_rng_state(ckpt["rng"]["torch"][job.rank])
     cuda_states = ckpt["rng"].get("cuda") or []
     if job.device.type == "cuda" and job.rank < len(cuda_states) and cuda_states[job.rank] is not None:
         torch.cuda.set_rng_state(cuda_states[job.rank])
     progress.step, progress.epoch, progress.batch = int(ckpt["step"]), int(ckpt["epoch"]), int(ckpt["batch_in_epoch"])
     progress.loss_sum, progress.loss_count = float(ckpt["train_loss_sum"][job.rank]), int(ckpt["train_loss_count"])
-    progress.counters = {k: float(ckpt["counters"][k]) for k in COUNTER_KEYS}
-    progress.wall_offset = float(ckpt["wall_time"])
-    job.last_ckpt_step = progress.step
 

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""The GPT convergence grid: per-step compressors against local steps, resumable, then one table.
+
+Each run is ``examples/train.py --dataset shakespeare --model gpt`` (AdamW and every other setting at the
+job's defaults, so each method has its recommended warm-up) on 2 ranks for ``--steps`` optimizer steps,
+one launch at a time, at ``nice`` 19 (``horovodrun --gloo``, or ``torchrun`` for the DDP engine's methods).
+A run writes a checkpoint every ``--checkpoint-every`` steps and is started with ``--resume``: stop the
+grid at any time (or lose the machine) and the next invocation skips finished runs (their summary JSON
+exists) and continues unfinished ones from their newest checkpoint. Run it from a detached worktree of
+committed code, so that edits to the checkout do not change a grid that is under way::
+
+    git worktree add --detach ../grid HEAD && cd ../grid
+    python benchmarks/gpt_grid.py --out ../grid-runs --group transformer --seeds 1,2      # issue 28's methods
+    python benchmarks/gpt_grid.py --out ../grid-runs --group local --seeds 1,2            # issue 29's methods
+    python benchmarks/gpt_grid.py --out ../grid-runs --analyse [--step-times step.json]   # the table
+
+``--analyse`` reads every summary in ``--out`` and writes ``table.md`` and ``table.json`` there: per method
+the final test loss (mean +- sample std over the seeds present), its ratio to dense's, bytes sent against
+a dense allreduce at every step, and the modelled time at 1 Gbit/s and 100 Mbit/s. The time model is a
+lower bound: ``steps x t_compute + bytes sent per rank x 8 / rate``, where ``t_compute`` is the compute-only
+step that ``benchmarks/bench_step.py --models gpt`` measured (``--step-times``; without it the column is
+left out) and the bytes are what the optimizer counted (overlap of communication with compute, latency and
+the collectives' algorithm factor are ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["--dataset", "shakespeare", "--model", "gpt", "--bf16", "--no-progress", "--log-every", "100",
+          "--keep-checkpoints", "1", "--resume"]
+# name -> (engine, flags); the DDP engine's methods run under torchrun
+METHODS: Dict[str, tuple] = {
+    "dense": ("horovod", ["--compressor", "none"]),
+    "adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01"]),
+    "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
+    "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05"]),
+    "psgd4": ("horovod", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
+    "ddp_psgd4": ("ddp", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
+    "diloco10": ("horovod", ["--compressor", "none", "--sync-every", "10"]),
+    "diloco50": ("horovod", ["--compressor", "none", "--sync-every", "50"]),
+    "diloco10_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10"]),
+    "diloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"]),
+    "diloco50_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "50"]),
+    "diloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50"]),
+}
+GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
+          "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
+                    "diloco50_adtopk01", "diloco50_adtopk05"]}
+RATES = {"1gbit": 1e9, "100mbit": 1e8}
+
+
+def command(name: str, seed: int, out: Path, steps: int, checkpoint_every: int, np_: int) -> List[str]:
+    engine, flags = METHODS[name]
+    run = f"{name}_s{seed}"
+    epochs = max(1, math.ceil(steps / 500))  # 587 steps per epoch at batch 32 on 2 ranks; --max-steps stops
+    job = ["examples/train.py", *COMMON, "--epochs", str(epochs), "--max-steps", str(steps), "--seed", str(seed),
+           "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(out / "ckpt" / run),
+           "--summary-json", str(out / f"{run}.json"), "--metrics-out", str(out / f"{run}.jsonl"), *flags]
+    bindir = Path(sys.executable).parent
+    if engine == "ddp":
+        return ["nice", "-n", "19", str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(np_), *job,
+                "--engine", "ddp"]
+    return ["nice", "-n", "19", str(bindir / "horovodrun"), "-np", str(np_), "--gloo", sys.executable, *job]
+
+
+def run_grid(args) -> int:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.methods or GROUPS[args.group]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1")
+    failed = 0
+    for seed in args.seeds:
+        for name in names:
+            run = f"{name}_s{seed}"
+            if (out / f"{run}.json").exists():
+                continue
+            cmd = command(name, seed, out, args.steps, args.checkpoint_every, args.np)
+            start = time.time()
+            print(f"{time.strftime('%H:%M:%S')} {run}: start", flush=True)
+            with open(out / f"{run}.log", "a") as log:
+                try:
+                    rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=args.run_timeout, start_new_session=True).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout (the next invocation resumes it)"
+            print(f"{time.strftime('%H:%M:%S')} {run}: rc {rc} after {time.time() - start:.0f} s", flush=True)
+            failed += rc != 0
+    return 1 if failed else 0
+
+
+def compute_step(path: Optional[str]) -> Optional[float]:
+    """The compute-only step of the gpt model, 2 ranks, from a bench_step.py JSON."""
+    if not path:
+        return None
+    for cell in json.loads(Path(path).read_text())["cells"]:
+        if cell.get("model") == "gpt" and "compute" in cell.get("modes", {}):
+            return float(cell["modes"]["compute"]["median_s"])
+    raise SystemExit(f"{path}: no gpt cell with a compute mode; run benchmarks/bench_step.py --models gpt")
+
+
+def analyse(args) -> int:
+    out = Path(args.out)
+    runs: Dict[str, List[dict]] = {}
+    for path in sorted(out.glob("*_s*.json")):
+        name = path.stem.rsplit("_s", 1)[0]
+        if name in METHODS:
+            runs.setdefault(name, []).append(json.loads(path.read_text()))
+    if "dense" not in runs:
+        raise SystemExit(f"no finished dense run in {out}: nothing to compare with")
+    t_compute = compute_step(args.step_times)
+    dense_loss = statistics.mean(r["test_loss"] for r in runs["dense"])
+    rows = []
+    for name in METHODS:
+        if name not in runs:
+            continue
+        rs = runs[name]
+        losses = [r["test_loss"] for r in rs]
+        row = {"method": name, "seeds": len(rs), "test_loss": statistics.mean(losses),
+               "std": statistics.stdev(losses) if len(losses) > 1 else None,
+               "vs_dense": statistics.mean(losses) / dense_loss - 1,
+               "bytes_vs_dense": statistics.mean(r["bytes_sent"] / r["bytes_dense"] for r in rs),
+               "steps": statistics.mean(r["step"] for r in rs)}
+        if t_compute is not None:
+            per_rank = statistics.mean(r["bytes_sent"] / r["world_size"] for r in rs)
+            for rate, bits in RATES.items():
+                row[f"time_{rate}_s"] = row["steps"] * t_compute + per_rank * 8 / bits
+        rows.append(row)
+    lines = ["| method | seeds | test loss | vs dense | bytes vs dense |"
+             + ("" if t_compute is None else " modelled 1 Gbit/s | modelled 100 Mbit/s |"),
+             "|---|---|---|---|---|" + ("" if t_compute is None else "---|---|")]
+    for r in rows:
+        std = "" if r["std"] is None else f" +- {r['std']:.3f}"
+        line = (f"| {r['method']} | {r['seeds']} | {r['test_loss']:.3f}{std} | {100 * r['vs_dense']:+.1f}% | "
+                f"{100 * r['bytes_vs_dense']:.2f}% |")
+        if t_compute is not None:
+            line += f" {r['time_1gbit_s'] / 60:.1f} min | {r['time_100mbit_s'] / 60:.1f} min |"
+        lines.append(line)
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    (out / "table.json").write_text(json.dumps({"compute_step_s": t_compute, "rows": rows}, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", required=True, help="folder of the runs (summaries, logs, checkpoints)")
+    ap.add_argument("--group", choices=sorted(GROUPS), default="transformer")
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
+                    help=f"comma-separated, instead of --group: {', '.join(METHODS)}")
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--checkpoint-every", type=int, default=200)
+    ap.add_argument("--run-timeout", type=float, default=5400.0, help="seconds per launch (a resume continues)")
+    ap.add_argument("--analyse", action="store_true", help="only aggregate what is in --out")
+    ap.add_argument("--step-times", default=None, help="bench_step.py JSON with a gpt cell (for modelled time)")
+    args = ap.parse_args(argv)
+    unknown = [m for m in args.methods or [] if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    if shutil.which("nice") is None:
+        ap.error("needs nice(1)")
+    return analyse(args) if args.analyse else run_grid(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
