@@ -195,11 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="gpt: the output head is the token embedding (one parameter used twice)")
     _add_output_flags(p)
-    p.add_argument("--elastic", action="store_true",
-                   help="survive membership changes. --engine horovod: the loop runs inside hvd.elastic.run (launch "
-                        "with horovodrun --min-np/--max-np --host-discovery-script), committing every --commit-every "
-                        "steps and re-sharding the data left in the epoch over the new ranks; --engine ddp: the job "
-                        "resumes from its last checkpoint at another world size under torchrun's elastic rendezvous")
     _add_elastic_horovod_flags(p)
     return p
 
