@@ -29,11 +29,11 @@ prints what the lost rank held: its last residual norm against its gradient norm
 
 Skipped only where namespaces cannot be made (not root, no CAP_NET_ADMIN). Settings (``ENV``):
 ``HOROVOD_GLOO_TIMEOUT_SECONDS=10`` (a survivor that was not connected to the killed rank waits in its
-collective until Gloo's timeout: 30.8 s from the SIGKILL to training again with the default 30 s, 0.9-11.4 s
+collective until Gloo's timeout: 30.8 s from the SIGKILL to training again with the default 30 s, 0.5-11.4 s
 with 10 s) and ``HOROVOD_FUSION_THRESHOLD=0`` (reproducible runs, so the accuracy difference is the fault's).
 The link-down fault (b) is in benchmarks/elastic_faults.py (docs/elastic): it is not survived.
-Measured: 7 min 51 s for the module at load average 14-17 on the 2 shared cores (three runs of 130-160 s,
-each mostly start-up of 3 ranks); runs took 70-115 s each at lower load.
+Measured: 3 min 42 s for the module (runs of 64-72 s), 7 min 51 s at load average 14-17 on the 2 shared cores (runs of 130-160 s,
+each mostly start-up of 3 ranks).
 """
 from __future__ import annotations
 
