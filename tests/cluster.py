@@ -25,14 +25,17 @@ Each host runs Debian's OpenSSH server (``openssh-server``, installed with apt-g
 missing), key-only (one throw-away ed25519 client key, root login), listening on the host's address and
 127.0.1.1 inside its namespace only. Its host key is listed (tagged lines) in /etc/ssh/ssh_known_hosts, so
 plain ``ssh -i KEY host`` as horovodrun and mpirun run it needs no prompt and writes nothing to
-~/.ssh/known_hosts; ``ssh -F <dir>/ssh_config host`` needs nothing else.
+~/.ssh/known_hosts; ``ssh -F <dir>/ssh_config host`` needs nothing else. A drop-in
+``/etc/ssh/ssh_config.d/hat-cluster-<name>.conf`` gives that plain ssh a keepalive to the cluster's hosts
+(``ServerAliveInterval 2``, ``ServerAliveCountMax 3``), so a session to a host whose link went down ends
+within about 6 s instead of the TCP retransmission timeout (Horovod elastic's driver waits on it).
 
 Links: ``link`` caps every host's veth in both directions with ``tc tbf`` (``1gbit``, ``10gbit``, any tc rate,
 or None); ``latency_ms`` adds a one-way host-to-host delay with ``tc netem`` (where the kernel has it).
 
 Teardown (``stop``, the context manager's exit, ``down``, or the next ``up`` of the same name after a crash)
 kills every process inside the cluster's namespaces by pid, deletes namespaces, veths and bridge, the
-per-host hosts files and the tagged lines. All state (keys, configs, logs, ``state.json`` with the pids) is
+per-host hosts files, the tagged lines and the ssh drop-in. All state (keys, configs, logs, ``state.json`` with the pids) is
 in ``<tmpdir>/hat-clusters/<name>``. ``ClusterUnavailable`` says why a cluster cannot be made here (not root,
 no namespaces, no sshd and no apt-get).
 """
@@ -60,6 +63,7 @@ SUBNET_PREFIX = "10.231"
 LOOPBACK_NAME_ADDR = "127.0.1.1"
 HOSTS_FILE = Path("/etc/hosts")
 KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
+SSH_CONFIG_D = Path("/etc/ssh/ssh_config.d")  # Debian's /etc/ssh/ssh_config includes *.conf here
 NETNS_ETC = Path("/etc/netns")
 SSHD = "/usr/sbin/sshd"
 STATE_ROOT = Path(tempfile.gettempdir()) / "hat-clusters"
@@ -255,6 +259,10 @@ def teardown(name: str) -> List[str]:
         if path.exists() and _marker(name) in path.read_text():
             edit_tagged(path, name)
             done.append(f"lines in {path}")
+    keepalive = _keepalive_file(name)
+    if keepalive.exists():
+        keepalive.unlink()
+        done.append(str(keepalive))
     shutil.rmtree(_state_dir(name), ignore_errors=True)
     for empty in (NETNS_ETC, STATE_ROOT):  # only when no other cluster uses them
         try:
@@ -262,6 +270,24 @@ def teardown(name: str) -> List[str]:
         except OSError:
             pass
     return done
+
+
+def _keepalive_file(name: str) -> Path:
+    return SSH_CONFIG_D / f"hat-cluster-{name}.conf"
+
+
+def write_keepalive(name: str, interval_s: int = 2, count: int = 3) -> Optional[Path]:
+    """Make plain ``ssh`` to this cluster's hosts (as horovodrun and mpirun run it) give up on a host that
+    stopped answering after ``interval_s x count`` seconds (``ServerAliveInterval``): without it an ssh
+    session to a host whose link silently died lives for the kernel's TCP retransmission timeout (about
+    15 minutes), and Horovod elastic's driver waits for that host's worker all that time. Returns the file,
+    or None where the system ssh config has no drop-in folder."""
+    if not SSH_CONFIG_D.is_dir():
+        return None
+    path = _keepalive_file(name)
+    path.write_text(f"# {_marker(name)}: written by tests/cluster.py, removed at teardown\n"
+                    f"Host {name}-h*\n    ServerAliveInterval {interval_s}\n    ServerAliveCountMax {count}\n")
+    return path
 
 
 def reap_crashed() -> List[str]:
@@ -535,6 +561,7 @@ class Cluster(Hosts):
             known.append(f"{h.name},{h.address} {kind} {blob}")
         (self.dir / "known_hosts").write_text("\n".join(known) + "\n")
         edit_tagged(KNOWN_HOSTS, self.name, known)
+        write_keepalive(self.name)
         self.ssh_config.write_text(
             "Host *\n    User root\n    Port 22\n"
             f"    IdentityFile {self.key}\n    IdentitiesOnly yes\n    BatchMode yes\n"
