@@ -3,7 +3,9 @@
 
 Each run is ``examples/train.py --dataset shakespeare --model gpt`` (AdamW and every other setting at the
 job's defaults, so each method has its recommended warm-up) on 2 ranks for ``--steps`` optimizer steps,
-one launch at a time, at ``nice`` 19 (``horovodrun --gloo``, or ``torchrun`` for the DDP engine's methods).
+one launch at a time, at the lowest priority (``nice`` 19 and its workers' sessions at autogroup nice 19, so
+tests and other work on the machine come first; ``horovodrun --gloo``, or ``torchrun`` for the DDP engine's
+methods).
 A run writes a checkpoint every ``--checkpoint-every`` steps and is started with ``--resume``: stop the
 grid at any time (or lose the machine) and the next invocation skips finished runs (their summary JSON
 exists) and continues unfinished ones from their newest checkpoint. Run it from a detached worktree of
@@ -89,14 +91,37 @@ def run_grid(args) -> int:
             start = time.time()
             print(f"{time.strftime('%H:%M:%S')} {run}: start", flush=True)
             with open(out / f"{run}.log", "a") as log:
-                try:
-                    rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        timeout=args.run_timeout, start_new_session=True).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout (the next invocation resumes it)"
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                rc = wait_in_background(proc, args.run_timeout)
             print(f"{time.strftime('%H:%M:%S')} {run}: rc {rc} after {time.time() - start:.0f} s", flush=True)
             failed += rc != 0
     return 1 if failed else 0
+
+
+def wait_in_background(proc: subprocess.Popen, timeout: float):
+    """Wait for a launch, keeping all of its processes at the lowest priority. ``nice`` alone is not enough
+    where the kernel groups processes by session (``/proc/sys/kernel/sched_autogroup_enabled``): horovodrun and
+    torchrun start their workers in sessions of their own, and CPU time is then shared between sessions
+    whatever their nice values, so each worker's session is set to nice 19 as well (``/proc/<pid>/autogroup``).
+    Returns the exit status, or a note when ``timeout`` ran out (the launch is then killed; the next
+    invocation resumes it from its checkpoint)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if time.monotonic() > deadline:
+            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+                child.kill()
+            proc.wait()
+            return "timeout (the next invocation resumes it)"
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                Path(f"/proc/{child.pid}/autogroup").write_text("19")
+        except (OSError, psutil.Error):
+            pass
+        time.sleep(10)
+    return proc.returncode
 
 
 def compute_step(path: Optional[str]) -> Optional[float]:
