@@ -718,3 +718,21 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def module_cluster(hosts: int, name: str, **kwargs):
+    """The body of a module-scoped pytest fixture: a started cluster, skipped (with the reason) where none
+    can be made here, stopped afterwards. ``yield from module_cluster(3, f"ea{os.getpid() % 10 ** 6}")``."""
+    import pytest
+
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"no emulated cluster here: {why}")
+    try:
+        c = Cluster(hosts=hosts, name=name, **kwargs).start()
+    except ClusterUnavailable as exc:
+        pytest.skip(f"no emulated cluster here: {exc}")
+    try:
+        yield c
+    finally:
+        c.stop()

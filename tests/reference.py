@@ -116,3 +116,13 @@ def simulate(grads: List[List[Dict[str, np.ndarray]]], select, sparse: Dict[str,
             agg[name] = (total / world).astype(dtype) if average else total
         out.append(agg)
     return out
+
+
+def check_fold_3_to_2(old_ranks: dict, store: str, name: str, new: list) -> None:
+    """A gathered 3-rank memory entry ``old_ranks[i]["memory"][store][name]`` (tensors) resumed at 2 ranks
+    (``new[j]``, numpy): new rank j holds (2/3) * the sum of old ranks i with i mod 2 == j, so the pending
+    update sum_j r'_j / 2 equals sum_i r_i / 3."""
+    old = [old_ranks[i]["memory"][store][name].double().numpy() for i in range(3)]
+    np.testing.assert_allclose(new[0], (old[0] + old[2]) * 2 / 3, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(new[1], old[1] * 2 / 3, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(sum(new) / 2, sum(old) / 3, rtol=1e-5, atol=1e-8)

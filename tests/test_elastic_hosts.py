@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Cluster, ClusterUnavailable, unavailable_reason
+from tests.cluster import Cluster, module_cluster
 from tests.elastic_runs import ElasticRun, analyse, job_args, lost_residual
 
 SAMPLES, EPOCHS, COMMIT = 11520, 2, 10  # a global batch of 192: 60 steps per epoch whatever the world size
@@ -63,17 +63,7 @@ ARGS = job_args(SAMPLES, EPOCHS, COMMIT)
 
 @pytest.fixture(scope="module")
 def cluster():
-    why = unavailable_reason()
-    if why:
-        pytest.skip(f"no emulated cluster here: {why}")
-    try:
-        c = Cluster(hosts=3, name=f"ea{os.getpid() % 10 ** 6}", link="1gbit", loopback_names=True).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no emulated cluster here: {exc}")
-    try:
-        yield c
-    finally:
-        c.stop()
+    yield from module_cluster(3, f"ea{os.getpid() % 10 ** 6}", link="1gbit", loopback_names=True)
 
 
 def check_run(run: ElasticRun, rc, sizes, faults=None) -> dict:

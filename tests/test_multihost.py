@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 import psutil
 import pytest
 
-from tests.cluster import LOOPBACK_NAME_ADDR, Cluster, ClusterUnavailable, unavailable_reason
+from tests.cluster import LOOPBACK_NAME_ADDR, Cluster, module_cluster
 from tests.harness import HOROVODRUN, REPO
 
 SLOTS = 2
@@ -67,17 +67,7 @@ MPI_FORWARD = [a for v in ("PATH", "PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUF
 
 @pytest.fixture(scope="module")
 def cluster():
-    why = unavailable_reason()
-    if why:
-        pytest.skip(f"no emulated cluster here: {why}")
-    try:
-        c = Cluster(hosts=2, name=f"t{os.getpid() % 10 ** 6}", link="1gbit", loopback_names=True).start()
-    except ClusterUnavailable as exc:
-        pytest.skip(f"no emulated cluster here: {exc}")
-    try:
-        yield c
-    finally:
-        c.stop()
+    yield from module_cluster(2, f"t{os.getpid() % 10 ** 6}", link="1gbit", loopback_names=True)
 
 
 def train_cmd(outdir: Path, *extra: str) -> List[str]:
