@@ -11,7 +11,6 @@ Needs ``examples/`` on PYTHONPATH (train.py imports its sibling modules by name)
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import sys
@@ -20,19 +19,9 @@ from pathlib import Path
 from typing import List
 
 import horovod.torch as hvd
-import torch
 
 import train  # examples/train.py
-
-
-def model_digest(model) -> str:
-    """SHA-256 over every tensor of the model's state dict: name, dtype, shape and raw bytes."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+from job.elastic import model_digest  # the job's own digest (examples/job/elastic.py)
 
 
 def main(argv: List[str]) -> int:
