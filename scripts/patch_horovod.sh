@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Patch the Horovod 0.28.1 sdist: (1) build against PyTorch >= 2.1, whose headers require C++17;
-# (2) fix Gloo process sets on hosts whose own name resolves to loopback (see below).
+# (2) fix Gloo process sets on hosts whose own name resolves to loopback; (3) elastic host-change notifications
+# stamped in whole seconds (see below).
 # Horovod pins C++14 in two CMake files and gloo pins -std=c++11; gloo must move too, or the link fails with
 # "multiple definition of gloo::rendezvous::Store::kDefaultTimeout" (C++17 makes static constexpr members inline).
 # Usage: patch_horovod.sh UNPACKED_SDIST_DIR. Idempotent; fails loudly when a pattern is not found, so a newer
@@ -30,4 +31,11 @@ if ! grep -qF -- "$FIXED" "$SRC/$GC"; then
   sed -i "/^void GlooContext::InitializeForProcessSet/,/CreateDevice(device_attr)/ s|^\( *\)device_attr.iface = gloo_iface_;|\1$FIXED\n\1device_attr.iface = gloo_iface_;|" "$SRC/$GC"
   [ "$(grep -cF -- "$FIXED" "$SRC/$GC")" = 1 ] || { echo "patch_horovod: the process-set interface fix did not apply to $GC" >&2; exit 1; }
 fi
-echo "patch_horovod: C++17 edits and the Gloo process-set interface fix applied to $SRC"
+
+# (3) The elastic driver stamps each host-change notification with int(time.time()), and a worker acts on a
+# notification only when its stamp is greater than the last one it acted on. A change discovered in the same
+# whole second as the previous one (a host removed, the job shrunk in under a second, the host listed again) is
+# then dropped by every rank for good: the job never grows back. The fix: stamps in fractional seconds.
+DRV=horovod/runner/elastic/driver.py
+edit "$DRV" '    return int(time.time())' '    return time.time()  # horovod_adtopk patch: fractional seconds'
+echo "patch_horovod: C++17 edits, the Gloo process-set interface fix and the elastic notification stamps applied to $SRC"

@@ -11,10 +11,13 @@ logs its view to ``--elastic-log`` (tests/elastic_runs.py reads it). Runs:
 * the fault-free reference (the accuracy target);
 * (a) SIGKILL of h2's rank in the middle of epoch 2 (a few steps after the step-80 commit): the survivors'
   next collective fails, they roll back to the last commit (the steps since are replayed) and go on as 2 ranks;
-* (c) h2 removed from the discovery file in the middle of epoch 2 (after the step-70 commit), then (d) added
+* (c) h2 removed from the discovery file early in epoch 2 (after the step-60 commit), then (d) added
   back as soon as the 2 ranks train: Horovod tells the ranks within seconds, they act at their next
   commit (nothing replayed), the job shrinks to 2 ranks and grows back to 3 (the new worker starts from
-  scratch and receives rank 0's state in the sync).
+  scratch and receives rank 0's state in the sync). On a quiet machine the 2 ranks train within a second of
+  the removal's announcement, so (d) is announced in the same whole second: stock Horovod 0.28.1 stamps its
+  announcements in whole seconds and every rank dropped this one (the job ended on 2 ranks, seen in CI);
+  our build of Horovod stamps them in fractional seconds (scripts/patch_horovod.sh, fix 3).
 
 The faults come late in the run (epoch 2 of 2) on purpose: with a sparse compressor a smaller world sends
 fewer entries per step (each rank's top 1%), and a lost rank's residual is lost, so the longer a short run
@@ -125,9 +128,11 @@ def test_sigkill_one_host_mid_epoch(cluster: Cluster, reference: dict, tmp_path:
 def test_remove_then_add_back_a_host(cluster: Cluster, reference: dict, tmp_path: Path):
     run = ElasticRun(cluster, tmp_path, ARGS, env=ENV).start()
     try:
-        run.wait_for_commit(70, 3, TIMEOUT)
+        run.wait_for_commit(60, 3, TIMEOUT)
         t_removed = run.set_hosts([0, 1])  # Horovod tells the ranks within seconds; they see it at a commit
         run.wait_for_membership(2, TIMEOUT)  # as soon as the 2 ranks train (they see it 1-2 commits later)
+        # Often within the second in which the removal was announced: stock Horovod 0.28.1 stamps announcements
+        # in whole seconds and drops this one (the job ends on 2 ranks); scripts/patch_horovod.sh fixes that.
         t_added = run.set_hosts([0, 1, 2])
     finally:
         rc = run.wait(TIMEOUT)
