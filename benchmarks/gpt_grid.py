@@ -41,6 +41,7 @@ from typing import Dict, List, Optional
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--dataset", "shakespeare", "--model", "gpt", "--bf16", "--no-progress", "--log-every", "100",
           "--keep-checkpoints", "1", "--resume"]
+SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
 # name -> (engine, flags); the DDP engine's methods run under torchrun
 METHODS: Dict[str, tuple] = {
     "dense": ("horovod", ["--compressor", "none"]),
@@ -55,6 +56,13 @@ METHODS: Dict[str, tuple] = {
     "diloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"]),
     "diloco50_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "50"]),
     "diloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50"]),
+    # SparseLoCo's recipe: error feedback on the sparse pseudo-gradient in place of outer momentum, outer SGD lr 1
+    "sparseloco10_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10",
+                                          *SPARSELOCO_OUTER]),
+    "sparseloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
+                                          *SPARSELOCO_OUTER]),
+    "sparseloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",
+                                          *SPARSELOCO_OUTER]),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
