@@ -4,7 +4,7 @@ Every rank runs ``H = sync_every`` steps of its own optimizer (the *inner* optim
 At every H-th step, per trainable tensor (in sorted-name order, identically on every rank)::
 
     delta_r      = theta_outer - theta_r                 the pseudo-gradient of rank r (W ranks)
-    a_r          = delta_r + e_r                         error feedback (rank-private residual e_r)
+    a_r          = delta_r + beta e_r                    error feedback (rank-private residual e_r; beta 1 by default)
     e_r         <- a_r - D(C(a_r))                       C: any of our fixed-size compressors, or dense
     Delta        = (1/W) sum_r D(C(a_r))                 allgather of sparse payloads / allreduce of dense
     b           <- mu b + Delta                          outer momentum (Outer.nesterov / Outer.momentum)
@@ -12,7 +12,10 @@ At every H-th step, per trainable tensor (in sorted-name order, identically on e
     theta_r     <- theta_outer                           every rank continues from the same bits
 
 (DiLoCo: dense, ``Outer.nesterov(lr=0.7, momentum=0.9)``, AdamW inside. SparseLoCo's recipe is error feedback
-on a sparse pseudo-gradient *instead of* outer momentum: a sparse compressor with ``Outer.sgd(lr)``.)
+on a sparse pseudo-gradient *instead of* outer momentum: a sparse compressor with ``Outer.sgd(lr)``, its
+residual decayed by ``beta = feedback_decay < 1`` at every sync, so that the memory acts as a momentum that
+forgets. With ``beta = 1`` nothing is dropped: ``sum of deltas = sent + e_r``; with ``beta < 1`` the part of
+a residual that waits ``n`` syncs is sent scaled by ``beta**n`` or not at all.)
 
 A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 1-D tensors, ``min_numel``,
 the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
@@ -64,7 +67,7 @@ class Outer:
     (with ``sync_every=1`` and a dense exchange this is ordinary data parallelism: ``theta_outer - mean(delta)``
     is the mean of the ranks' parameters after their step)."""
 
-    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False) -> None:
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0) -> None:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
             raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
@@ -73,28 +76,36 @@ class Outer:
             raise TypeError(f"nesterov must be True or False, got {nesterov!r}")
         if nesterov and momentum == 0:
             raise ValueError("Nesterov needs an outer momentum > 0; use Outer.sgd(lr) for none")
+        if (isinstance(feedback_decay, bool) or not isinstance(feedback_decay, numbers.Real)
+                or not 0.0 < float(feedback_decay) <= 1.0):
+            raise ValueError(f"feedback_decay must be a number in (0, 1] (1: lossless error feedback), "
+                             f"got {feedback_decay!r}")
         self.lr, self.momentum, self.nesterov = float(lr), float(momentum), nesterov
+        self.feedback_decay = float(feedback_decay)
 
     @classmethod
-    def nesterov(cls, lr: float = 0.7, momentum: float = 0.9) -> "Outer":
+    def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0) -> "Outer":
         """DiLoCo's outer optimizer (defaults from the paper)."""
-        return cls(lr, momentum, nesterov=True)
+        return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay)
 
     @classmethod
-    def momentum_sgd(cls, lr: float, momentum: float) -> "Outer":
+    def momentum_sgd(cls, lr: float, momentum: float, feedback_decay: float = 1.0) -> "Outer":
         """Heavy-ball momentum: ``theta <- theta - lr b``."""
-        return cls(lr, momentum, nesterov=False)
+        return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay)
 
     @classmethod
-    def sgd(cls, lr: float = 1.0) -> "Outer":
-        """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum)."""
-        return cls(lr, 0.0, nesterov=False)
+    def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0) -> "Outer":
+        """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum;
+        ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does)."""
+        return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay)
 
     def config(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+                "feedback_decay": self.feedback_decay}
 
     def __repr__(self) -> str:
-        return f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov})"
+        return (f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
+                f"feedback_decay={self.feedback_decay})")
 
     def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
         """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
@@ -113,6 +124,9 @@ def check_settings(sync_every, outer, compression) -> None:
     if not isinstance(outer, Outer):
         raise TypeError(f"outer must be a horovod_adtopk.Outer, e.g. hat.Outer.nesterov(lr=0.7, momentum=0.9), "
                         f"got {outer!r}")
+    if outer.feedback_decay != 1.0 and not (is_sparse(compression) and compression.error_feedback):
+        raise ValueError(f"feedback_decay={outer.feedback_decay} decays the error-feedback memory of a sparse "
+                         f"compressor, and {compression!r} keeps none; use adtopk or topk, or feedback_decay=1")
     if is_sparse(compression):
         if hasattr(compression, "make_exchange") or not compression.gathers:
             raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
@@ -206,6 +220,8 @@ class LocalSteps:
         world = self.comm.size()
         active = self.comm.active_members("hat.outer.active") if world > 1 else 1
         dense_round = self.syncs < self.warmup_syncs or active < world or world == 1
+        if self.memory is not None and self.outer.feedback_decay != 1.0:
+            self.memory.decay_(self.outer.feedback_decay)  # e_r <- beta e_r, before delta is added
         dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
         sparse: List[Tuple[str, object]] = []  # (name, selection)
         with torch.no_grad():
@@ -310,7 +326,10 @@ class LocalSteps:
         if block is None:
             raise ValueError("the checkpoint has no local-steps state (it was written without sync_every); "
                              "resume with the settings it was written with")
-        saved = {"sync_every": block.get("sync_every"), "outer": block.get("outer")}
+        saved_outer = block.get("outer")
+        if isinstance(saved_outer, dict):  # written before feedback_decay existed: lossless error feedback
+            saved_outer = {"feedback_decay": 1.0, **saved_outer}
+        saved = {"sync_every": block.get("sync_every"), "outer": saved_outer}
         mine = {"sync_every": self.sync_every, "outer": self.outer.config()}
         if saved != mine:
             raise ValueError(f"checkpoint was written with local steps {saved}, but this optimizer uses {mine}; "

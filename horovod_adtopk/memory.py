@@ -117,6 +117,12 @@ class ErrorFeedback:
             for t in store.values():
                 t.mul_(factor)
 
+    def decay_(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (an error-feedback memory that forgets: SparseLoCo's
+        ``e <- beta e + delta``, :class:`horovod_adtopk.local_steps.Outer` ``feedback_decay``)."""
+        for t in self.residuals.values():
+            t.mul_(factor)
+
     def norm(self) -> float:
         """The L2 norm over every residual of this rank (what it would lose if it died now)."""
         total = sum(float(t.detach().double().pow(2).sum()) for t in self.residuals.values())

@@ -50,7 +50,9 @@ def compression_of(case):
 
 def outer_of(case):
     o = case["outer"]
-    return hat.Outer.nesterov(o["lr"], o["momentum"]) if o.get("nesterov") else hat.Outer.sgd(o["lr"])
+    decay = o.get("feedback_decay", 1.0)
+    return (hat.Outer.nesterov(o["lr"], o["momentum"], feedback_decay=decay) if o.get("nesterov")
+            else hat.Outer.sgd(o["lr"], feedback_decay=decay))
 
 
 def _params(model) -> dict:

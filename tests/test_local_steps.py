@@ -35,6 +35,9 @@ CASES = [
     {"name": "adtopk_nesterov_warmup", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
      "compressor": "adtopk", "kwargs": {"ratio": 0.1, "axis": 1, **SPARSE_KW},
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}},
+    {"name": "adtopk_sparseloco_decay", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.1, "axis": 0, **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "feedback_decay": 0.8}},
     {"name": "topk_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "compressor": "topk", "kwargs": {"ratio": 0.05, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0}},
 ]
@@ -64,7 +67,7 @@ def select_mask(case, a):
 
 def numpy_local_steps(case, initial, world):
     """DiLoCo / the EF sparse outer exchange, W ranks (module docstring of horovod_adtopk.local_steps):
-    H inner SGD steps per rank; delta = theta - w_r; a = delta + e; sent = a * mask (dense: a);
+    H inner SGD steps per rank; delta = theta - w_r; a = delta + beta e; sent = a * mask (dense: a);
     e = a - sent; avg = mean sent; b = mu b + avg; theta -= lr (avg + mu b) (Nesterov) or lr avg."""
     theta = {n: np.array(v, dtype=np.float64) for n, v in initial.items()}
     w = [{n: v.copy() for n, v in theta.items()} for _ in range(world)]
@@ -85,7 +88,7 @@ def numpy_local_steps(case, initial, world):
             for n in theta:
                 delta = theta[n] - w[r][n]
                 if sparse_kind and delta.ndim == 2:  # 1-D tensors travel dense (no residual)
-                    a = delta + resid[r].get(n, 0.0)
+                    a = delta + o.get("feedback_decay", 1.0) * resid[r].get(n, 0.0)
                     if syncs < case.get("warmup", 0):
                         mine[n], resid[r][n] = a, np.zeros_like(a)
                     else:
@@ -133,7 +136,8 @@ def check_reference(results, world):
                     assert count == 0, f"{case['name']}: {count} collectives at local step {step}"
             assert res["digests"] == per_rank[0]["digests"], f"{case['name']}: rank {r} differs after a sync"
         assert len(per_rank[0]["digests"]) == case["steps"] // H
-        if case["outer"]["lr"] == 1.0 and case["outer"]["momentum"] == 0.0:  # the error-feedback invariant
+        lossless = case["outer"].get("feedback_decay", 1.0) == 1.0
+        if case["outer"]["lr"] == 1.0 and case["outer"]["momentum"] == 0.0 and lossless:  # the EF invariant
             for n in theta:
                 initial = np.array(per_rank[0]["initial"][n])
                 moved = world * (initial - np.array(per_rank[0]["final"][n]))  # = sum_r sent_r
@@ -259,14 +263,46 @@ def test_job_flags():
     args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"])
     assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
     kw = make_local_steps(args)
-    assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
+                                                               "feedback_decay": 1.0}
     args = options.parse_args(["--compressor", "none", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"])
-    assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+    assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
+                                                        "feedback_decay": 1.0}
     assert "sync every 5 steps, outer SGD lr 1.0" in options.describe_compression(args)
+    args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
+                               "0", "--outer-feedback-decay", "0.95"])
+    assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
+                                                        "feedback_decay": 0.95}
+    assert "error feedback decayed by 0.95 per sync" in options.describe_compression(args)
+    # AdamW's per-step default (error feedback on the update) is local steps with H = 1: the decay applies there too
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--compressor", "topk",
+                               "--outer-feedback-decay", "0.9"])
+    assert make_local_steps(args)["outer"].config()["feedback_decay"] == 0.9
     assert make_local_steps(options.parse_args(["--compressor", "none"])) == {}
     for argv in (["--sync-every", "-1"], ["--sync-every", "2", "--outer-lr", "0"],
                  ["--sync-every", "2", "--outer-momentum", "1"], ["--sync-every", "2", "--momentum-correction"],
-                 ["--sync-every", "2", "--overlap", "on"], ["--sync-every", "2", "--compressor", "powersgd"]):
+                 ["--sync-every", "2", "--overlap", "on"], ["--sync-every", "2", "--compressor", "powersgd"],
+                 ["--sync-every", "2", "--compressor", "none", "--outer-feedback-decay", "0.9"],
+                 ["--sync-every", "2", "--compressor", "adtopk", "--outer-feedback-decay", "0"],
+                 ["--compressor", "adtopk", "--outer-feedback-decay", "0.9"]):
         with pytest.raises(SystemExit) as exc:
             options.parse_args(argv)
         assert exc.value.code == 2, argv
+
+
+def test_feedback_decay_settings():
+    """``feedback_decay`` (SparseLoCo's beta): a number in (0, 1], only where a sparse compressor keeps an
+    error-feedback memory; old checkpoints (no ``feedback_decay`` in their outer block) read as 1."""
+    import horovod_adtopk as hat
+    from horovod_adtopk import local_steps
+
+    assert hat.Outer.sgd(1.0, feedback_decay=0.95).config()["feedback_decay"] == 0.95
+    assert hat.Outer.nesterov().config()["feedback_decay"] == 1.0
+    for bad in (0, 0.0, -0.5, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="feedback_decay must be a number in"):
+            hat.Outer.sgd(1.0, feedback_decay=bad)
+    for dense in (None, hat.Compression.none, hat.Compression.fp16,
+                  hat.Compression.adtopk(ratio=0.1, error_feedback=False)):
+        with pytest.raises(ValueError, match="keeps none"):
+            local_steps.check_settings(2, hat.Outer.sgd(1.0, feedback_decay=0.9), dense)
+    local_steps.check_settings(2, hat.Outer.sgd(1.0, feedback_decay=0.9), hat.Compression.adtopk(ratio=0.1))

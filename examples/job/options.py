@@ -63,6 +63,9 @@ def _add_local_steps_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (DiLoCo's 0.7)")
     g.add_argument("--outer-momentum", type=float, default=0.9,
                    help="outer Nesterov momentum (DiLoCo's 0.9; 0: plain outer SGD, SparseLoCo's choice)")
+    g.add_argument("--outer-feedback-decay", type=float, default=1.0,
+                   help="a sparse compressor's error-feedback memory is multiplied by this at every sync before the "
+                        "pseudo-gradient is added (SparseLoCo's beta; 1: nothing is dropped)")
 
 
 def _resolve_local_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -237,6 +240,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_warmup(p, args)
     _resolve_compression(p, args)
     _resolve_feedback(p, args)
+    _resolve_feedback_decay(p, args)
     _check_elastic(p, args)
     return args
 
@@ -325,6 +329,22 @@ def _resolve_feedback(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     args.sync_every, args.outer_lr, args.outer_momentum, args.overlap = 1, 1.0, 0.0, "off"
 
 
+def _resolve_feedback_decay(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--outer-feedback-decay acts on the outer exchange's error-feedback memory: local steps (--sync-every, or
+    --error-feedback-on update, which is local steps with H = 1) with a sparse compressor."""
+    decay = args.outer_feedback_decay
+    if not 0.0 < decay <= 1.0:
+        p.error("--outer-feedback-decay must lie in (0, 1]")
+    if decay == 1.0:
+        return
+    if not args.sync_every:
+        p.error("--outer-feedback-decay applies to local steps (--sync-every) or to error feedback on the update "
+                "(--error-feedback-on update)")
+    if not is_sparse_rule(args.compressor):
+        p.error("--outer-feedback-decay decays a sparse compressor's error-feedback memory; use it with --compressor "
+                "adtopk, adtopk_i or topk")
+
+
 def is_sparse_rule(compressor: str) -> bool:
     """A compressor that sends a fraction ``--ratio`` of the entries (not dense, not PowerSGD's low rank)."""
     return not hat.Compression.is_dense_name(compressor) and compressor != "powersgd"
@@ -404,6 +424,8 @@ def describe_compression(args: argparse.Namespace) -> str:
     elif getattr(args, "sync_every", 0):
         outer = (f"Nesterov lr {args.outer_lr} momentum {args.outer_momentum}" if args.outer_momentum
                  else f"SGD lr {args.outer_lr}")
+        if args.outer_feedback_decay != 1.0:
+            outer += f", error feedback decayed by {args.outer_feedback_decay} per sync"
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
     parts = []
     if args.dense_rounds:
