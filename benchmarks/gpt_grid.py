@@ -63,6 +63,11 @@ METHODS: Dict[str, tuple] = {
                                           *SPARSELOCO_OUTER]),
     "sparseloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",
                                           *SPARSELOCO_OUTER]),
+    # ... with the error-feedback memory decayed by 0.95 at every sync (SparseLoCo's beta)
+    "sparseloco10_adtopk01_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10",
+                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
+    "sparseloco10_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
+                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
