@@ -93,7 +93,10 @@ def run_grid(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = args.methods or GROUPS[args.group]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1")
+    # At the lowest priority a rank can be starved for minutes while other work runs: Gloo's default 30 s
+    # receive timeout then ends the run (seen beside the test suite), so the grid waits up to an hour.
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
+               HOROVOD_GLOO_TIMEOUT_SECONDS=os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "3600"))
     failed = 0
     for seed in args.seeds:
         for name in names:
