@@ -68,6 +68,10 @@ METHODS: Dict[str, tuple] = {
                                                   *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
     "sparseloco10_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
                                                   *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
+    "sparseloco10_topk05_decay95": ("horovod", ["--compressor", "topk", "--ratio", "0.05", "--sync-every", "10",
+                                                *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
+    "sparseloco50_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",
+                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
