@@ -555,7 +555,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     - ``sync_every=H`` (local steps, DiLoCo / SparseLoCo style): no gradient hooks; each rank steps
       ``optimizer`` on its own gradients and every H-th ``step()`` exchanges the pseudo-gradient
       ``theta_outer - theta`` through ``compression`` and applies ``outer`` (default
-      ``hat.Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's); ``warmup_steps`` then counts syncs
+      ``hat.Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's; with a sparse compressor SparseLoCo's
+      ``hat.Outer.sgd(lr=1.0, feedback_decay=0.95)`` measured better); ``warmup_steps`` then counts syncs
       (:mod:`horovod_adtopk.local_steps`).
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::

@@ -43,7 +43,8 @@ def local_steps(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sync_e
         model: the ``DistributedDataParallel`` model (a no-communication hook is registered on it) or the
             plain module (its parameters and buffers are broadcast from rank 0 now: a collective).
         sync_every: H, inner steps per sync.
-        outer: the outer optimizer (default ``Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's).
+        outer: the outer optimizer (default ``Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's; with a sparse
+            compressor SparseLoCo's ``Outer.sgd(lr=1.0, feedback_decay=0.95)`` measured better).
         compression: a fixed-size sparse compressor (``hat.Compression.adtopk(ratio=0.05)``, ``topk``,
             ``adtopk_i``), a dense one (``fp16``) or None (dense).
         warmup_steps: the first N syncs travel dense.
