@@ -21,7 +21,7 @@ the final test loss (mean +- sample std over the seeds present), its ratio to de
 a dense allreduce at every step, and the modelled time at 1 Gbit/s and 100 Mbit/s. The time model is a
 lower bound: ``steps x t_compute + bytes sent per rank x 8 / rate``, where ``t_compute`` is the compute-only
 step that ``benchmarks/bench_step.py --models gpt`` measured (``--step-times``; without it the column is
-left out) and the bytes are what the optimizer counted (overlap of communication with compute, latency and
+left out; ``--compute-step S`` gives it directly) and the bytes are what the optimizer counted (overlap of communication with compute, latency and
 the collectives' algorithm factor are ignored).
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def analyse(args) -> int:
             runs.setdefault(name, []).append(json.loads(path.read_text()))
     if "dense" not in runs:
         raise SystemExit(f"no finished dense run in {out}: nothing to compare with")
-    t_compute = compute_step(args.step_times)
+    t_compute = args.compute_step if args.compute_step is not None else compute_step(args.step_times)
     dense_loss = statistics.mean(r["test_loss"] for r in runs["dense"])
     rows = []
     for name in METHODS:
@@ -211,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=5400.0, help="seconds per launch (a resume continues)")
     ap.add_argument("--analyse", action="store_true", help="only aggregate what is in --out")
     ap.add_argument("--step-times", default=None, help="bench_step.py JSON with a gpt cell (for modelled time)")
+    ap.add_argument("--compute-step", type=float, default=None,
+                    help="the compute-only step in seconds, instead of --step-times (e.g. the wall time per step of a "
+                         "local-steps run alone on the machine, whose loopback exchange every H steps is negligible)")
     args = ap.parse_args(argv)
     unknown = [m for m in args.methods or [] if m not in METHODS]
     if unknown:
