@@ -248,11 +248,16 @@ def test_gpt_adamw_resume_is_bitwise_exact(tmp_path):
 
 def test_gpt_adamw_error_feedback_on_the_update(tmp_path):
     """AdamW's default with a sparse compressor: error feedback on the update (local steps at every step, outer
-    SGD lr 1); compressed, and a resumed run ends bitwise where the straight run does."""
+    SGD lr 1); compressed, and a resumed run ends bitwise where the straight run does; a resume with another
+    --outer-feedback-decay is refused."""
     common = [*TINY_GPT, "--data-dir", tiny_corpus(tmp_path / "text"), "--epochs", 2, "--compressor", "adtopk",
               "--ratio", "0.05"]
     runs = {}
     for name, steps, extra in (("a", 6, []), ("b", 3, []), ("b", 6, ["--resume"])):
+        if extra:  # a resume with another error-feedback decay is refused before anything changes
+            rc, out, _ = horovodrun([*common, "--max-steps", steps, "--checkpoint-dir", tmp_path / name / "ckpt",
+                                     "--resume", "--outer-feedback-decay", "0.9"])
+            assert rc != 0 and "outer_feedback_decay: checkpoint 1.0, now 0.9" in out, out[-4000:]
         rc, out, _ = horovodrun([*common, "--max-steps", steps, "--checkpoint-dir", tmp_path / name / "ckpt",
                                  "--metrics-out", tmp_path / name / "m.jsonl", *extra])
         check_ok(rc, out, f"run {name} to step {steps}")

@@ -24,7 +24,9 @@ RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "thresh
                "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size", "dense_rounds",
                "density_warmup", "density_start", "powersgd_rank", "optimizer", "betas", "bf16", "gpt_dim",
                "gpt_layers", "gpt_heads", "tie_weights", "sync_every", "outer_lr", "outer_momentum",
-               "error_feedback_on")
+               "outer_feedback_decay", "error_feedback_on")
+# What a checkpoint written before a setting existed ran with.
+RESUME_DEFAULTS = {"outer_feedback_decay": 1.0}
 
 
 def save_checkpoint(job: Job, progress: Progress, extra: Optional[dict] = None) -> None:
@@ -139,8 +141,8 @@ def resume(job: Job) -> Progress:
     old_world = int(ckpt["config"].get("world_size", job.world))
     world_changed = elastic and old_world != job.world
     keys = [k for k in RESUME_KEYS if not (elastic and k in WORLD_KEYS)]
-    diffs = [f"{k}: checkpoint {ckpt['config'].get(k)!r}, now {job.config[k]!r}" for k in keys
-             if ckpt["config"].get(k) != job.config[k]]
+    saved = {k: ckpt["config"].get(k, RESUME_DEFAULTS.get(k)) for k in keys}
+    diffs = [f"{k}: checkpoint {saved[k]!r}, now {job.config[k]!r}" for k in keys if saved[k] != job.config[k]]
     diffs += world_change_diffs(job, ckpt) if elastic else []
     if diffs:
         if job.rank == 0:
