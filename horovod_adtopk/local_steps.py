@@ -221,7 +221,7 @@ class LocalSteps:
         active = self.comm.active_members("hat.outer.active") if world > 1 else 1
         dense_round = self.syncs < self.warmup_syncs or active < world or world == 1
         if self.memory is not None and self.outer.feedback_decay != 1.0:
-            self.memory.decay_(self.outer.feedback_decay)  # e_r <- beta e_r, before delta is added
+            self.memory.scale_(self.outer.feedback_decay, velocities=False)  # e_r <- beta e_r, before delta is added
         dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
         sparse: List[Tuple[str, object]] = []  # (name, selection)
         with torch.no_grad():

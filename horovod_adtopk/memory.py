@@ -110,18 +110,13 @@ class ErrorFeedback:
             if t is not None:
                 torch.nan_to_num_(t, nan=0.0, posinf=0.0, neginf=0.0)
 
-    def scale_(self, factor: float) -> None:
-        """Multiply every residual and velocity by ``factor`` (a survivor of an elastic membership change,
-        :mod:`horovod_adtopk.elastic`)."""
-        for store in (self.residuals, self.velocities):
+    def scale_(self, factor: float, velocities: bool = True) -> None:
+        """Multiply every residual (and velocity) by ``factor``: a survivor of an elastic membership change
+        (:mod:`horovod_adtopk.elastic`), or, residuals only, an error-feedback memory that forgets (SparseLoCo's
+        ``e <- beta e + delta``, :class:`horovod_adtopk.local_steps.Outer` ``feedback_decay``)."""
+        for store in (self.residuals, self.velocities) if velocities else (self.residuals,):
             for t in store.values():
                 t.mul_(factor)
-
-    def decay_(self, factor: float) -> None:
-        """Multiply every residual by ``factor`` (an error-feedback memory that forgets: SparseLoCo's
-        ``e <- beta e + delta``, :class:`horovod_adtopk.local_steps.Outer` ``feedback_decay``)."""
-        for t in self.residuals.values():
-            t.mul_(factor)
 
     def norm(self) -> float:
         """The L2 norm over every residual of this rank (what it would lose if it died now)."""
