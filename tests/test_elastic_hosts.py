@@ -4,22 +4,27 @@ One cluster for the module: hosts ``<name>-h0..h2`` (tests/cluster.py: own netwo
 ``eth1`` at 1 Gbit/s, each host's own name on 127.0.1.1). Every run is ``horovodrun -np 3 --min-np 2
 --max-np 3 --host-discovery-script S`` from h0, where S prints the lines of a file the test edits (``host:1``
 per host), running ``examples/train.py --elastic`` (Fashion-MNIST on its first 11520 examples, the small CNN,
-ADTopk at 0.01 after 10 dense rounds and a density warm-up over 20, a fixed global batch of 192, 2 epochs of
+ADTopk at 0.01 after 10 dense rounds and a density warm-up over 20, a fixed global batch of 192, 3 epochs of
 60 steps, a commit every 10 steps); each rank
 logs its view to ``--elastic-log`` (tests/elastic_runs.py reads it). Runs:
 
 * the fault-free reference (the accuracy target);
-* (a) SIGKILL of h2's rank in the middle of epoch 2 (a few steps after the step-80 commit): the survivors'
+* (a) SIGKILL of h2's rank in the middle of epoch 3 (a few steps after the step-140 commit): the survivors'
   next collective fails, they roll back to the last commit (the steps since are replayed) and go on as 2 ranks;
 * (c) h2 removed from the discovery file early in epoch 2 (after the step-60 commit), then (d) added
   back as soon as the 2 ranks train: Horovod tells the ranks within seconds, they act at their next
   commit (nothing replayed), the job shrinks to 2 ranks and grows back to 3 (the new worker starts from
-  scratch and receives rank 0's state in the sync). On a quiet machine the 2 ranks train within a second of
-  the removal's announcement, so (d) is announced in the same whole second: stock Horovod 0.28.1 stamps its
-  announcements in whole seconds and every rank dropped this one (the job ended on 2 ranks, seen in CI);
-  our build of Horovod stamps them in fractional seconds (scripts/patch_horovod.sh, fix 3).
+  scratch and receives rank 0's state in the sync). The job must still be training when Horovod tells it:
+  the driver polls the discovery script once a second and the ranks look at a commit, 1.4-3.3 s from the
+  edit to the interrupt here, while 2 ranks run up to 20 steps a second. With 2 epochs the re-add came 40
+  steps before the end and a faster CI machine finished the job on 2 ranks; with 3 epochs about 100 steps
+  are left. On a quiet machine the 2 ranks train within a second of the removal's announcement, so (d) can be
+  announced in the same whole second: stock Horovod 0.28.1 stamps its announcements in whole seconds and
+  every rank would drop it; our build of Horovod stamps them in fractional seconds (scripts/patch_horovod.sh,
+  fix 3). Horovod picks the first ranks' hosts in an arbitrary order, so the removed h2 is sometimes rank 0
+  (the coordinator): that case passes too.
 
-The faults come late in the run (epoch 2 of 2) on purpose: with a sparse compressor a smaller world sends
+The SIGKILL comes late in the run (epoch 3 of 3) on purpose: with a sparse compressor a smaller world sends
 fewer entries per step (each rank's top 1%), and a lost rank's residual is lost, so the longer a short run
 trains on 2 ranks the further it ends from the 3-rank run; faults after the step-20 commit measured -0.57 to
 -0.97 points of accuracy in 120 steps.
@@ -36,8 +41,9 @@ collective until Gloo's timeout: 30.8 s from the SIGKILL to training again with 
 with 10 s) and ``HOROVOD_FUSION_THRESHOLD=0`` (reproducible runs, so the accuracy difference is the fault's).
 The link-down fault (b) is in benchmarks/elastic_faults.py (docs/elastic): survived once the driver's ssh
 sessions have a keepalive (the cluster's ssh drop-in), else no new membership forms.
-Measured: 3 min 42 s for the module (runs of 64-72 s), 7 min 51 s at load average 14-17 on the 2 shared cores (runs of 130-160 s,
-each mostly start-up of 3 ranks).
+Measured with 2 epochs: 3 min 42 s for the module (runs of 64-72 s), 7 min 51 s at load average 14-17 on the 2 shared
+cores (runs of 130-160 s, each mostly start-up of 3 ranks); with 3 epochs on a quiet machine, 2 min 15 s (runs of
+38-48 s).
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ import pytest
 from tests.cluster import Cluster, module_cluster
 from tests.elastic_runs import ElasticRun, analyse, job_args, lost_residual
 
-SAMPLES, EPOCHS, COMMIT = 11520, 2, 10  # a global batch of 192: 60 steps per epoch whatever the world size
+SAMPLES, EPOCHS, COMMIT = 11520, 3, 10  # a global batch of 192: 60 steps per epoch whatever the world size
 TIMEOUT = 300  # one run, launch to exit, on a loaded 2-core machine
 RECOVERY_LIMIT = 60.0
 STEP_SECONDS = 0.3  # about one step of 3 ranks here
@@ -106,7 +112,7 @@ def close_to_reference(final: dict, reference: dict, what: str) -> None:
 def test_sigkill_one_host_mid_epoch(cluster: Cluster, reference: dict, tmp_path: Path):
     run = ElasticRun(cluster, tmp_path, ARGS, env=ENV).start()
     try:
-        run.wait_for_commit(80, 3, TIMEOUT)
+        run.wait_for_commit(140, 3, TIMEOUT)
         time.sleep(STEP_SECONDS * COMMIT / 2)  # between two commits: the survivors replay the steps since the last
         victims = [p.pid for p in run.ranks_on(2)]
         t_fault = run.kill_host_ranks(2)
@@ -132,10 +138,12 @@ def test_remove_then_add_back_a_host(cluster: Cluster, reference: dict, tmp_path
         t_removed = run.set_hosts([0, 1])  # Horovod tells the ranks within seconds; they see it at a commit
         run.wait_for_membership(2, TIMEOUT)  # as soon as the 2 ranks train (they see it 1-2 commits later)
         # Often within the second in which the removal was announced: stock Horovod 0.28.1 stamps announcements
-        # in whole seconds and drops this one (the job ends on 2 ranks); scripts/patch_horovod.sh fixes that.
+        # in whole seconds and would drop this one; scripts/patch_horovod.sh fixes that.
         t_added = run.set_hosts([0, 1, 2])
     finally:
         rc = run.wait(TIMEOUT)
+    last = max((e["step"] for e in run.events() if e["event"] == "commit" and e["time"] <= t_added), default=0)
+    print(f"(d) h2 written back after the step-{last} commit, {EPOCHS * SAMPLES // 192 - last} steps before the end")
     got = check_run(run, rc, [3, 2, 3], {"removed": t_removed, "added": t_added})
     ms = got["memberships"]
     print(f"(c) h2 removed from discovery: training on 2 ranks after {got['recovery']['removed']:.1f} s from step "
