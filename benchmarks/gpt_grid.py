@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""The GPT convergence grid: per-step compressors against local steps, resumable, then one table.
+"""The convergence grid of per-step compressors against local steps (GPT, or the CNN), resumable, then a table.
 
 Each run is ``examples/train.py --dataset shakespeare --model gpt`` (AdamW and every other setting at the
-job's defaults, so each method has its recommended warm-up) on 2 ranks for ``--steps`` optimizer steps,
+job's defaults, so each method has its recommended warm-up; ``--workload cnn``: ``--dataset fashion-mnist``,
+the small CNN, SGD with momentum, an lr warm-up of 100 steps, scored by test accuracy) on 2 ranks for
+``--steps`` optimizer steps,
 one launch at a time, at the lowest priority (``nice`` 19 and its workers' sessions at autogroup nice 19, so
 tests and other work on the machine come first; ``horovodrun --gloo``, or ``torchrun`` for the DDP engine's
 methods).
@@ -15,6 +17,7 @@ committed code, so that edits to the checkout do not change a grid that is under
     python benchmarks/gpt_grid.py --out ../grid-runs --group transformer --seeds 1,2      # issue 28's methods
     python benchmarks/gpt_grid.py --out ../grid-runs --group local --seeds 1,2            # issue 29's methods
     python benchmarks/gpt_grid.py --out ../grid-runs --analyse [--step-times step.json]   # the table
+    python benchmarks/gpt_grid.py --workload cnn --out ../cnn-runs --group local --steps 1407  # Fashion-MNIST
 
 ``--analyse`` reads every summary in ``--out`` and writes ``table.md`` and ``table.json`` there: per method
 the final test loss (mean +- sample std over the seeds present), its ratio to dense's, bytes sent against
@@ -39,8 +42,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ["--dataset", "shakespeare", "--model", "gpt", "--bf16", "--no-progress", "--log-every", "100",
-          "--keep-checkpoints", "1", "--resume"]
+RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "--resume"]
+# workload -> (job flags, optimizer steps per epoch on 2 ranks: --epochs covers --steps, --max-steps stops)
+WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 500),
+             "cnn": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100"], 469)}
 SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
 # name -> (engine, flags); the DDP engine's methods run under torchrun
 METHODS: Dict[str, tuple] = {
@@ -79,11 +84,13 @@ GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "d
 RATES = {"1gbit": 1e9, "100mbit": 1e8}
 
 
-def command(name: str, seed: int, out: Path, steps: int, checkpoint_every: int, np_: int) -> List[str]:
+def command(name: str, seed: int, out: Path, steps: int, checkpoint_every: int, np_: int,
+            workload: str = "gpt") -> List[str]:
     engine, flags = METHODS[name]
     run = f"{name}_s{seed}"
-    epochs = max(1, math.ceil(steps / 500))  # 587 steps per epoch at batch 32 on 2 ranks; --max-steps stops
-    job = ["examples/train.py", *COMMON, "--epochs", str(epochs), "--max-steps", str(steps), "--seed", str(seed),
+    common, per_epoch = WORKLOADS[workload]
+    epochs = max(1, math.ceil(steps / per_epoch))
+    job = ["examples/train.py", *common, *RUN_FLAGS, "--epochs", str(epochs), "--max-steps", str(steps), "--seed", str(seed),
            "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(out / "ckpt" / run),
            "--summary-json", str(out / f"{run}.json"), "--metrics-out", str(out / f"{run}.jsonl"), *flags]
     bindir = Path(sys.executable).parent
@@ -107,7 +114,7 @@ def run_grid(args) -> int:
             run = f"{name}_s{seed}"
             if (out / f"{run}.json").exists():
                 continue
-            cmd = command(name, seed, out, args.steps, args.checkpoint_every, args.np)
+            cmd = command(name, seed, out, args.steps, args.checkpoint_every, args.np, args.workload)
             start = time.time()
             print(f"{time.strftime('%H:%M:%S')} {run}: start", flush=True)
             with open(out / f"{run}.log", "a") as log:
@@ -176,18 +183,28 @@ def analyse(args) -> int:
                "vs_dense": statistics.mean(losses) / dense_loss - 1,
                "bytes_vs_dense": statistics.mean(r["bytes_sent"] / r["bytes_dense"] for r in rs),
                "steps": statistics.mean(r["step"] for r in rs)}
+        accs = [r.get("test_accuracy") for r in rs]
+        if all(a is not None for a in accs):  # the CNN: accuracy, and its difference to dense's in points
+            row["test_accuracy"] = statistics.mean(accs)
+            row["accuracy_std"] = statistics.stdev(accs) if len(accs) > 1 else None
+            row["accuracy_vs_dense_pt"] = 100 * (row["test_accuracy"] - statistics.mean(
+                r["test_accuracy"] for r in runs["dense"]))
         if t_compute is not None:
             per_rank = statistics.mean(r["bytes_sent"] / r["world_size"] for r in rs)
             for rate, bits in RATES.items():
                 row[f"time_{rate}_s"] = row["steps"] * t_compute + per_rank * 8 / bits
         rows.append(row)
-    lines = ["| method | seeds | test loss | vs dense | bytes vs dense |"
-             + ("" if t_compute is None else " modelled 1 Gbit/s | modelled 100 Mbit/s |"),
-             "|---|---|---|---|---|" + ("" if t_compute is None else "---|---|")]
+    with_acc = all("test_accuracy" in r for r in rows)
+    lines = ["| method | seeds | test loss | vs dense |" + (" test accuracy | vs dense |" if with_acc else "")
+             + " bytes vs dense |" + ("" if t_compute is None else " modelled 1 Gbit/s | modelled 100 Mbit/s |"),
+             "|---|---|---|---|---|" + ("---|---|" if with_acc else "") + ("" if t_compute is None else "---|---|")]
     for r in rows:
         std = "" if r["std"] is None else f" +- {r['std']:.3f}"
-        line = (f"| {r['method']} | {r['seeds']} | {r['test_loss']:.3f}{std} | {100 * r['vs_dense']:+.1f}% | "
-                f"{100 * r['bytes_vs_dense']:.2f}% |")
+        line = f"| {r['method']} | {r['seeds']} | {r['test_loss']:.3f}{std} | {100 * r['vs_dense']:+.1f}% |"
+        if with_acc:
+            astd = "" if r["accuracy_std"] is None else f" +- {100 * r['accuracy_std']:.2f}"
+            line += f" {100 * r['test_accuracy']:.2f}%{astd} | {r['accuracy_vs_dense_pt']:+.2f} pt |"
+        line += f" {100 * r['bytes_vs_dense']:.2f}% |"
         if t_compute is not None:
             line += f" {r['time_1gbit_s'] / 60:.1f} min | {r['time_100mbit_s'] / 60:.1f} min |"
         lines.append(line)
@@ -201,6 +218,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--out", required=True, help="folder of the runs (summaries, logs, checkpoints)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt",
+                    help="gpt: Shakespeare characters, AdamW (val loss); cnn: Fashion-MNIST, SGD (test accuracy)")
     ap.add_argument("--group", choices=sorted(GROUPS), default="transformer")
     ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated, instead of --group: {', '.join(METHODS)}")
