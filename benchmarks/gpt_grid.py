@@ -57,6 +57,9 @@ METHODS: Dict[str, tuple] = {
     "ddp_psgd4": ("ddp", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "diloco10": ("horovod", ["--compressor", "none", "--sync-every", "10"]),
     "diloco50": ("horovod", ["--compressor", "none", "--sync-every", "50"]),
+    # dense DiLoCo at the bytes of the SparseLoCo-style rows (0.8% and 0.2% of dense's): the equal-bytes check
+    "diloco125": ("horovod", ["--compressor", "none", "--sync-every", "125"]),
+    "diloco500": ("horovod", ["--compressor", "none", "--sync-every", "500"]),
     "diloco10_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10"]),
     "diloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"]),
     "diloco50_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "50"]),
