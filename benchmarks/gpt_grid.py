@@ -60,6 +60,12 @@ METHODS: Dict[str, tuple] = {
     # dense DiLoCo at the bytes of the SparseLoCo-style rows (0.8% and 0.2% of dense's): the equal-bytes check
     "diloco125": ("horovod", ["--compressor", "none", "--sync-every", "125"]),
     "diloco500": ("horovod", ["--compressor", "none", "--sync-every", "500"]),
+    # dense local SGD (periodic averaging: outer SGD lr 1 without momentum), DiLoCo's outer step for an SGD inner
+    # optimizer whose momentum the outer Nesterov would compound
+    "localsgd10": ("horovod", ["--compressor", "none", "--sync-every", "10", *SPARSELOCO_OUTER]),
+    "localsgd50": ("horovod", ["--compressor", "none", "--sync-every", "50", *SPARSELOCO_OUTER]),
+    "localsgd125": ("horovod", ["--compressor", "none", "--sync-every", "125", *SPARSELOCO_OUTER]),
+    "localsgd500": ("horovod", ["--compressor", "none", "--sync-every", "500", *SPARSELOCO_OUTER]),
     "diloco10_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10"]),
     "diloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"]),
     "diloco50_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "50"]),
@@ -180,7 +186,7 @@ def analyse(args) -> int:
         if name not in runs:
             continue
         rs = runs[name]
-        losses = [r["test_loss"] for r in rs]
+        losses = [math.nan if r["test_loss"] is None else r["test_loss"] for r in rs]  # None: it diverged
         row = {"method": name, "seeds": len(rs), "test_loss": statistics.mean(losses),
                "std": statistics.stdev(losses) if len(losses) > 1 else None,
                "vs_dense": statistics.mean(losses) / dense_loss - 1,
