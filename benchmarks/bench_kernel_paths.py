@@ -9,13 +9,17 @@ How to run (from the repository root, the native kernel built)::
 For every shape (the 25M MLP's weight matrices, VGG-16 fc6/fc7, BERT-base embeddings and layer matrices,
 a ResNet-50 3x3 conv, GPT-2 small's token embedding and fused qkv) it times the fused error-feedback selection the optimizer runs on the CPU:
 ``kernels.adtopk_select(r, rows, cols, axis, k, grad=g, zero_sent=True)`` (``r += g``, per-fiber top-k,
-sent entries zeroed), in four configurations, interleaved repeat by repeat (so a change of machine load
+sent entries zeroed), in five configurations, interleaved repeat by repeat (so a change of machine load
 hits all of them alike):
 
-- ``before``: the old "auto" (fibers along the longer axis), the scalar first pass (``HOROVOD_ADTOPK_SIMD=0``);
-- ``simd``: the old "auto", the AVX2 first pass;
-- ``rule``: the new "auto" (``selection.resolve_axis`` with ``ratio``: contiguous rows within 5% of ratio),
-  the AVX2 first pass;
+- ``before``: the old "auto" (fibers along the longer axis), the scalar first pass (``HOROVOD_ADTOPK_SIMD=0``),
+  the legacy selection paths (``HOROVOD_ADTOPK_LEGACY_SELECT=1``: column tiles walked row by row, every entry
+  a candidate where block maxima cannot bound the k-th key);
+- ``simd``: the old "auto", the AVX2 first pass, the legacy paths;
+- ``legacy``: the new "auto" (``selection.resolve_axis`` with ``ratio``: contiguous rows within 5% of ratio),
+  the AVX2 first pass, the legacy paths;
+- ``rule``: as ``legacy`` with today's paths (row-major slab passes for column fibers, thresholds from a sample
+  of the keys where block maxima cannot bound the k-th key);
 - ``rule+2t``: as ``rule`` with 2 torch threads (fibers split between threads).
 
 and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``
@@ -45,7 +49,7 @@ SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 409
           "resnet50.conv3x3 [256,2304]": (256, 2304),
           # GPT-2 small (its attention, MLP and projection matrices share BERT-base's shapes above)
           "gpt2.wte [50257,768]": (50257, 768), "gpt2.c_attn [2304,768]": (2304, 768)}
-CONFIGS = ("before", "simd", "rule", "rule+2t")
+CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t")
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -61,6 +65,7 @@ def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float) -> flo
     axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
     k = selection.keep_count(ratio, cols if axis == 1 else rows)
     os.environ["HOROVOD_ADTOPK_SIMD"] = "0" if name == "before" else "1"
+    os.environ["HOROVOD_ADTOPK_LEGACY_SELECT"] = "1" if name in ("before", "simd", "legacy") else "0"
     torch.set_num_threads(2 if name.endswith("2t") else 1)
     x = r.clone()
     try:
@@ -68,6 +73,7 @@ def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float) -> flo
     finally:
         torch.set_num_threads(1)
         os.environ.pop("HOROVOD_ADTOPK_SIMD", None)
+        os.environ.pop("HOROVOD_ADTOPK_LEGACY_SELECT", None)
 
 
 def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int) -> Dict[str, float]:
@@ -107,14 +113,15 @@ def main() -> int:
     torch.set_num_threads(1)
     report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats, "results": {}}
     head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
-            "before/add", "rule/add", "rule/read", "add GB/s"]
+            "legacy/rule", "before/add", "rule/add", "rule/read", "add GB/s"]
     rows = []
     for dt in a.dtypes:
         for name, shape in SHAPES.items():
             m = measure_shape(shape, getattr(torch, dt), a.ratio, a.repeats)
             report["results"][f"{name} {dt}"] = m
             rows.append([name, dt, f"{m['axis_before']}->{m['axis_rule']}", *[f"{m[c] * 1e3:.1f}" for c in CONFIGS],
-                         f"{m['read'] * 1e3:.2f}", f"{m['add'] * 1e3:.2f}", f"{m['before'] / m['add']:.1f}",
+                         f"{m['read'] * 1e3:.2f}", f"{m['add'] * 1e3:.2f}", f"{m['legacy'] / m['rule']:.2f}",
+                         f"{m['before'] / m['add']:.1f}",
                          f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
             print(rows[-1], flush=True)
     report["machine"]["loadavg_end"] = list(os.getloadavg())

@@ -441,3 +441,69 @@ def test_simd_scalar_and_threads_give_identical_bits(monkeypatch, dtype):
         else:
             got[local.numpy().reshape(-1), rows_idx] = True
         np.testing.assert_array_equal(got, want)
+
+
+# (rows, cols, axis, k) that take each path of the native selection: column slabs with block-maxima
+# thresholds (a width that is not a multiple of 8 too); column slabs and rows with thresholds from a sample of
+# the keys (k too large a share of the fiber for block maxima); the tiled column walk (sampling would keep
+# half the fiber).
+PATH_CASES = [(3072, 40, 0, 30), (2051, 70, 0, 5), (1000, 33, 0, 50), (4096, 20, 0, 300), (20, 3072, 1, 153),
+              (33, 1000, 1, 60), (300, 50, 0, 100)]
+
+
+def _defeat_sample(shape, axis, dtype, seed):
+    """Tiny keys except at the positions the native kernel samples (q * n // S, S = min(256, n // 4)): the
+    sample's threshold is then reached by fewer than k entries, which must send the fiber to an exact
+    selection among all of its entries."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(shape, generator=g, dtype=torch.float64) * 0.01
+    n = shape[0] if axis == 0 else shape[1]
+    s = min(256, n // 4)
+    for q in range(s):
+        if axis == 0:
+            x[(q * n) // s, :] = 100.0 + q
+        else:
+            x[:, (q * n) // s] = 100.0 + q
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_selection_paths_identical_to_legacy_and_reference(monkeypatch, dtype):
+    """Slab passes and sampled thresholds vs HOROVOD_ADTOPK_LEGACY_SELECT=1 (the tiled walk, every entry a
+    candidate), AVX2 or not, 1 or 2 threads: bit-identical outputs and residuals, and the reference's mask."""
+    if not K.native_available():
+        pytest.skip(NATIVE_SKIP)
+    monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", "1")
+    threads = torch.get_num_threads()
+    try:
+        for i, (rows, cols, axis, k) in enumerate(PATH_CASES):
+            n = rows if axis == 0 else cols
+            for kind in ("normal", "special", "defeat"):
+                a0 = (_defeat_sample((rows, cols), axis, dtype, i) if kind == "defeat"
+                      else make((rows, cols), dtype, seed=i, special=0.01 if kind == "special" else 0.0))
+                g = None if kind == "defeat" else make((rows, cols), dtype, seed=100 + i)
+                expect = as_np(a0 if g is None else a0 + g)
+                want = ref.adtopk_mask(expect, ratio_for(k, n), axis)
+                runs = {}
+                for legacy, simd, nt in [("1", "0", 1), ("0", "0", 1), ("0", "1", 1), ("0", "1", 2), ("1", "1", 2)]:
+                    monkeypatch.setenv("HOROVOD_ADTOPK_LEGACY_SELECT", legacy)
+                    monkeypatch.setenv("HOROVOD_ADTOPK_SIMD", simd)
+                    torch.set_num_threads(nt)
+                    a = a0.clone()
+                    values, local = K.adtopk_select(a, rows, cols, axis, k, grad=g, zero_sent=True)
+                    runs[(legacy, simd, nt)] = [_bits(a), _bits(values), local.numpy().copy()]
+                    got = np.zeros((rows, cols), dtype=bool)
+                    fib = np.repeat(np.arange(local.shape[0]), k)
+                    if axis == 1:
+                        got[fib, local.numpy().reshape(-1)] = True
+                    else:
+                        got[local.numpy().reshape(-1), fib] = True
+                    np.testing.assert_array_equal(got, want, err_msg=f"{(rows, cols, axis, k, kind)} legacy={legacy} "
+                                                                     f"simd={simd} threads={nt}: not the reference's")
+                base = runs[("1", "0", 1)]
+                for key, out in runs.items():
+                    for x, y in zip(out, base):
+                        np.testing.assert_array_equal(x, y, err_msg=f"{(rows, cols, axis, k, kind)} {key} differs "
+                                                                    "from the legacy scalar path")
+    finally:
+        torch.set_num_threads(threads)

@@ -19,12 +19,18 @@
 // candidates finishes the job. Ties at the k-th key are resolved towards the lower index, and positions
 // come out in ascending order.
 //
-// When k is a large share of the fiber (too few groups per kept entry) all entries are candidates.
+// When k is a large share of the fiber (too few groups per kept entry), the threshold comes from a strided
+// sample of the fiber's own keys instead, checked by counting (sample_plan); where even that would keep half
+// the fiber, all entries are candidates.
+//
+// Column fibers are read in row-major passes over slabs of adjacent columns (adtopk_cols_slabs): walking a
+// column tile row by row costs a TLB miss per row once rows are a few KB long. The tiled walk (adtopk_cols)
+// remains for the short or dense fibers that take every entry.
 //
 // SIMD
 // ----
-// The two first passes (interleaved group maxima of row fibers and the flat tensor; block maxima of column
-// tiles) have explicit AVX2 versions for float32, float16 (F16C conversions) and bfloat16, compiled with
+// The first passes (interleaved group maxima of row fibers and the flat tensor; block maxima of column
+// tiles and slabs) and the slabs' candidate pass have explicit AVX2 versions for float32, float16 (F16C conversions) and bfloat16, compiled with
 // per-function target attributes (the rest of the file, and the build, stay generic x86-64) and chosen at
 // run time when the CPU has AVX2 and F16C, unless HOROVOD_ADTOPK_SIMD=0 (read on every call). They compute
 // exactly what the scalar loops compute (the same rounded sum in the tensor's dtype, the same keys; max of
@@ -158,6 +164,33 @@ template <typename A> void finish(const A* ckey, const int64_t* cidx, int64_t c,
 }
 
 
+// Where block maxima cannot bound the k-th key (direct_select: k is more than one entry in 4 * BLOCK), a
+// strided sample of the fiber's own keys still can: the j-th largest of S sampled keys, j a few standard
+// deviations above the k * S / n expected to reach the k-th largest, should leave a few more than k entries
+// at or above it. The pass that compacts them counts them, and a fiber left with fewer than k takes every
+// entry instead, so exactness never depends on the sample. Worth it when it leaves well under the fiber.
+struct SamplePlan {
+  int64_t S = 0, j = 0;  // sample size and the order statistic to take; S == 0: no sampling (every entry)
+};
+
+inline SamplePlan sample_plan(int64_t n, int64_t k) {
+  SamplePlan p;
+  const int64_t S = std::min<int64_t>(256, n / 4);
+  if (S < 64) return p;
+  const double e = static_cast<double>(k) * S / n;
+  const int64_t j = static_cast<int64_t>(std::ceil(e + 3.0 * std::sqrt(e) + 2.0));
+  if (2 * j > S) return p;  // it would keep half the fiber or more: select among all entries
+  p.S = S;
+  p.j = j;
+  return p;
+}
+
+// The plan's threshold from the S sampled keys in v (reordered).
+template <typename A> A sample_threshold(A* v, const SamplePlan& p) {
+  std::nth_element(v, v + (p.j - 1), v + p.S, std::greater<A>());
+  return v[p.j - 1];
+}
+
 // ---- AVX2 -------------------------------------------------------------------------------------------------
 
 // Whether the CPU can run the AVX2 paths (checked once).
@@ -178,6 +211,15 @@ bool use_simd() {
 }
 
 std::string simd_path() { return use_simd() ? "avx2" : "scalar"; }
+
+// Whether the selection takes the row-major slab passes for column fibers (adtopk_cols_slabs) and sampled
+// thresholds where block maxima cannot bound the k-th key (sample_plan): unless HOROVOD_ADTOPK_LEGACY_SELECT
+// is "1" (read on every call), which keeps the earlier paths (the tiled column walk of adtopk_cols, every
+// entry a candidate). Both give the same result, bit for bit.
+bool use_slabs() {
+  const char* e = std::getenv("HOROVOD_ADTOPK_LEGACY_SELECT");
+  return e == nullptr || std::strcmp(e, "1") != 0;
+}
 
 #if HAT_X86_SIMD
 // 8 lanes of T as float: load, and store of a float rounded to T exactly as static_cast<T>(float) does.
@@ -361,6 +403,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
   using A = typename AccOf<T>::type;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1));
   const bool direct = direct_select(n, k);
+  const SamplePlan plan = direct && use_slabs() ? sample_plan(n, k) : SamplePlan();
   const bool simd = use_simd();
   const int64_t G = n / BLOCK;
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
@@ -378,11 +421,25 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
           const T* gr = g + r * n;
           for (int64_t i = 0; i < n; ++i) x[i] = add_as<T, A>(x[i], gr[i]);
         }
-        for (int64_t i = 0; i < n; ++i) {
-          ckey[i] = key_of<A>(x[i]);
-          cidx[i] = i;
+        c = 0;
+        if (plan.S > 0) {  // the entries reaching a sampled threshold, if at least k of them
+          A* smp = s.tmp.get();
+          for (int64_t q = 0; q < plan.S; ++q) smp[q] = key_of<A>(x[(q * n) / plan.S]);
+          const A t = sample_threshold(smp, plan);
+          for (int64_t i = 0; i < n; ++i) {  // branch-free compaction
+            const A v = key_of<A>(x[i]);
+            ckey[c] = v;
+            cidx[c] = i;
+            c += v >= t;
+          }
         }
-        c = n;
+        if (c < k) {
+          for (int64_t i = 0; i < n; ++i) {
+            ckey[i] = key_of<A>(x[i]);
+            cidx[i] = i;
+          }
+          c = n;
+        }
       } else {
         pass_segment<T, A>(x, g ? g + r * n : nullptr, n, gm.get(), simd);
         // The k-th largest group maximum t is a lower bound of the fiber's k-th largest key.
@@ -543,6 +600,204 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
   });
 }
 
+// ---- column fibers in row-major passes ----------------------------------------------------------------
+//
+// Walking a tile of columns row by row touches a new page at every row once rows are a few KB long (a TLB
+// miss per row and tile): on BERT / GPT shapes ([3072, 768], [30522, 768]) that cost 3-5x the r += g pass
+// before any selection. When the fibers are long enough for block maxima (not direct), a slab of adjacent
+// columns [c0, c1) (all of them on one thread) is selected from row-major passes instead, contiguous within
+// every row:
+//   1. x += g, and per block of BLOCK rows the maximum key of every column (bm[b * W + c]);
+//   2. per column a threshold from its block maxima (group_threshold, as in adtopk_cols) and a capacity
+//      (BLOCK entries per block that reaches the threshold);
+//   3. a second row-major pass keeping every entry whose key reaches its column's threshold (ascending rows;
+//      such an entry lies in a block that reaches it, so these are adtopk_cols's candidates exactly);
+//   4. per column the exact selection among its candidates (finish).
+// Same thresholds, same candidates in the same order: the same result as adtopk_cols, bit for bit.
+
+template <typename T, typename A>
+void slab_maxima(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t W, A* bm) {
+  const int64_t nb = num_blocks(rows);
+  for (int64_t b = 0; b < nb; ++b) {
+    A* __restrict m = bm + b * W;
+    for (int64_t c = 0; c < W; ++c) m[c] = 0;
+    for (int64_t i = b * BLOCK, hi = std::min(rows, b * BLOCK + BLOCK); i < hi; ++i) {
+      T* __restrict x = a + i * cols + c0;
+      if (g != nullptr) {
+        const T* __restrict gi = g + i * cols + c0;
+        for (int64_t c = 0; c < W; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
+      }
+      for (int64_t c = 0; c < W; ++c) {
+        const A kv = key_of<A>(x[c]);
+        m[c] = m[c] > kv ? m[c] : kv;
+      }
+    }
+  }
+}
+
+// The candidates of a slab, in row-major order as the second pass finds them: column, row, key.
+template <typename A> struct SlabCandidates {
+  std::vector<int32_t> col;
+  std::vector<int64_t> row;
+  std::vector<A> key;
+  void reserve(size_t n) {
+    col.reserve(n);
+    row.reserve(n);
+    key.reserve(n);
+  }
+  void add(int64_t c, int64_t i, A v) {
+    col.push_back(static_cast<int32_t>(c));
+    row.push_back(i);
+    key.push_back(v);
+  }
+};
+
+// Appends the entries of row i (x[0..W), columns c0 + c) whose key reaches thr[c].
+template <typename T, typename A>
+void slab_candidates_row(const T* x, int64_t W, int64_t c0, int64_t i, const A* thr, SlabCandidates<A>& out) {
+  for (int64_t c = 0; c < W; ++c) {
+    const A v = key_of<A>(x[c]);
+    if (v >= thr[c]) out.add(c0 + c, i, v);
+  }
+}
+
+#if HAT_X86_SIMD
+// slab_maxima on 8 columns at a time (float keys only).
+template <typename T>
+HAT_AVX2 void slab_maxima_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t W, float* bm) {
+  const int64_t nb = num_blocks(rows), W8 = W - W % 8;
+  for (int64_t b = 0; b < nb; ++b) {
+    float* m = bm + b * W;
+    const int64_t lo = b * BLOCK, hi = std::min(rows, lo + BLOCK);
+    for (int64_t i = lo; i < hi; ++i) {
+      T* x = a + i * cols + c0;
+      const T* gi = g != nullptr ? g + i * cols + c0 : nullptr;
+      for (int64_t j = 0; j < W8; j += 8) {
+        const __m256 kv = step8<T>(x + j, gi != nullptr ? gi + j : nullptr);
+        _mm256_storeu_ps(m + j, i == lo ? kv : _mm256_max_ps(_mm256_loadu_ps(m + j), kv));
+      }
+      for (int64_t j = W8; j < W; ++j) {
+        if (gi != nullptr) x[j] = add_as<T, float>(x[j], gi[j]);
+        const float kv = key_of<float>(x[j]);
+        m[j] = i == lo ? kv : (m[j] > kv ? m[j] : kv);
+      }
+    }
+  }
+}
+
+// slab_candidates_row comparing 8 keys at a time; only the (few) passing lanes are appended.
+template <typename T>
+HAT_AVX2 void slab_candidates_row_avx2(const T* x, int64_t W, int64_t c0, int64_t i, const float* thr,
+                                       SlabCandidates<float>& out) {
+  const int64_t W8 = W - W % 8;
+  for (int64_t j = 0; j < W8; j += 8) {
+    const __m256 kv = keys8(Lanes<T>::load(x + j));
+    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr + j), _CMP_GE_OQ)));
+    while (mask != 0) {
+      const int64_t c = j + __builtin_ctz(mask);
+      mask &= mask - 1;
+      out.add(c0 + c, i, key_of<float>(x[c]));
+    }
+  }
+  slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, i, thr + W8, out);
+}
+#endif
+
+template <typename T>
+void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool zero_sent, T* values,
+                       int64_t* local, const SamplePlan& plan) {
+  using A = typename AccOf<T>::type;
+  const int64_t nb = num_blocks(rows);
+  const bool simd = use_simd();
+  at::parallel_for(0, cols, 64, [&](int64_t c0, int64_t c1) {
+    const int64_t W = c1 - c0;
+    // 1. x += g and the block maxima, then the maxima transposed (each column's contiguous).
+    auto bm = buffer<A>(nb * W);
+    bool vec = false;
+#if HAT_X86_SIMD
+    if constexpr (HasLanes<T>::value) {
+      if (simd) {
+        slab_maxima_avx2<T>(a, g, rows, cols, c0, W, bm.get());
+        vec = true;
+      }
+    }
+#endif
+    if (!vec) slab_maxima<T, A>(a, g, rows, cols, c0, W, bm.get());
+    auto thr = buffer<A>(W), tmp = buffer<A>(std::max<int64_t>(rows, 256) + BLOCK);
+    if (plan.S == 0) {
+      // 2. per column its threshold: at least k of its block maxima reach it.
+      auto bmt = buffer<A>(nb * W);
+      for (int64_t b0 = 0; b0 < nb; b0 += BLOCK)
+        for (int64_t c = 0; c < W; ++c)
+          for (int64_t b = b0, be = std::min(nb, b0 + BLOCK); b < be; ++b) bmt[c * nb + b] = bm[b * W + c];
+      bm.reset();
+      for (int64_t c = 0; c < W; ++c) thr[c] = group_threshold(bmt.get() + c * nb, nb, k, tmp.get());
+    } else {
+      // 2'. per column a threshold from the keys of S evenly spaced rows (checked by counting below).
+      bm.reset();
+      auto smp = buffer<A>(plan.S * W);
+      for (int64_t q = 0; q < plan.S; ++q) {
+        const T* x = a + ((q * rows) / plan.S) * cols + c0;
+        for (int64_t c = 0; c < W; ++c) smp[c * plan.S + q] = key_of<A>(x[c]);
+      }
+      for (int64_t c = 0; c < W; ++c) thr[c] = sample_threshold(smp.get() + c * plan.S, plan);
+    }
+    // 3. the candidates, row-major, then grouped by column (a stable counting sort keeps rows ascending).
+    SlabCandidates<A> cand;
+    cand.reserve(static_cast<size_t>(W) * static_cast<size_t>(k + k / 2 + BLOCK));
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* x = a + i * cols + c0;
+#if HAT_X86_SIMD
+      if constexpr (HasLanes<T>::value) {
+        if (vec) {
+          slab_candidates_row_avx2<T>(x, W, c0, i, thr.get(), cand);
+          continue;
+        }
+      }
+#endif
+      slab_candidates_row<T, A>(x, W, c0, i, thr.get(), cand);
+    }
+    const int64_t total = static_cast<int64_t>(cand.key.size());
+    auto off = buffer<int64_t>(W + 1), fill = buffer<int64_t>(W);
+    std::fill(off.get(), off.get() + W + 1, 0);
+    for (int64_t q = 0; q < total; ++q) ++off[cand.col[q] - c0 + 1];
+    for (int64_t c = 0; c < W; ++c) off[c + 1] += off[c];
+    std::copy(off.get(), off.get() + W, fill.get());
+    auto ckey = buffer<A>(total);
+    auto cidx = buffer<int64_t>(total);
+    for (int64_t q = 0; q < total; ++q) {
+      const int64_t o = fill[cand.col[q] - c0]++;
+      ckey[o] = cand.key[q];
+      cidx[o] = cand.row[q];
+    }
+    // 4. the exact top-k of every column among its candidates (all of its entries where a sampled threshold
+    // left fewer than k).
+    std::unique_ptr<A[]> fkey;
+    std::unique_ptr<int64_t[]> fidx;
+    for (int64_t c = 0; c < W; ++c) {
+      const int64_t f = c0 + c;
+      int64_t* out = local + f * k;
+      if (off[c + 1] - off[c] >= k) {
+        finish(ckey.get() + off[c], cidx.get() + off[c], off[c + 1] - off[c], k, tmp.get(), out);
+      } else {
+        if (!fkey) {
+          fkey = buffer<A>(rows);
+          fidx = buffer<int64_t>(rows);
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          fkey[i] = key_of<A>(a[i * cols + f]);
+          fidx[i] = i;
+        }
+        finish(fkey.get(), fidx.get(), rows, k, tmp.get(), out);
+      }
+      T* vo = values + f * k;
+      for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j] * cols + f];
+      if (zero_sent)
+        for (int64_t j = 0; j < k; ++j) a[out[j] * cols + f] = static_cast<T>(0);
+    }
+  });
+}
+
 void check_input(const at::Tensor& a, const c10::optional<at::Tensor>& grad) {
   TORCH_CHECK(a.device().is_cpu(), "horovod_adtopk._C: expected a CPU tensor");
   TORCH_CHECK(a.is_contiguous(), "horovod_adtopk._C: expected a contiguous tensor");
@@ -568,8 +823,12 @@ std::vector<at::Tensor> adtopk_select(at::Tensor a, int64_t rows, int64_t cols, 
     const scalar_t* gp = grad.has_value() ? grad->data_ptr<scalar_t>() : nullptr;
     if (axis == 1)
       adtopk_rows<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
-    else
+    else if (!use_slabs() || (direct_select(rows, k) && sample_plan(rows, k).S == 0))
       adtopk_cols<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
+    else
+      adtopk_cols_slabs<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(),
+                                  local.data_ptr<int64_t>(),
+                                  direct_select(rows, k) ? sample_plan(rows, k) : SamplePlan());
   });
   return {values, local};
 }
