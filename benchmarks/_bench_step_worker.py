@@ -147,13 +147,16 @@ def build_mode(mode: str, idx: int, model: torch.nn.Module, cfg: dict):
         return model, base, "compute", None
     if mode in DENSE_HVD:
         return model, hvd.DistributedOptimizer(base, named_parameters=named, compression=DENSE_HVD[mode]), "hvd", None
-    if mode == "ddp-dense" or (mode.startswith("ddp-") and not mode.startswith("ddp-powersgd")):
+    if mode.startswith("ddp-") and not mode.startswith("ddp-powersgd"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ensure_torch_dist()
-        ddp = DDP(model)  # default buckets (25 MB): communication overlaps the backward pass
+        view = mode.endswith("-v")  # ddp-NAME-v: gradient_as_bucket_view=True (no copy into the buckets)
+        name = mode[4:-2] if view else mode[4:]
+        # default buckets (25 MB): communication overlaps the backward pass
+        ddp = DDP(model, gradient_as_bucket_view=view)
         state = None
-        if mode != "ddp-dense":  # our hook: ddp-adtopk, ddp-topk, ...
-            state = hat.ddp.register(ddp, hat.Compression.get(mode[4:], ratio=cfg["ratio"]))
+        if name != "dense":  # our hook: ddp-adtopk, ddp-topk, ...
+            state = hat.ddp.register(ddp, hat.Compression.get(name, ratio=cfg["ratio"]))
         base = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
         return ddp, base, "ddp-hat" if state is not None else "ddp-dense", state
     psgd_rank = re.fullmatch(r"ddp-powersgd(\d*)", mode)

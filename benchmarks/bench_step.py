@@ -100,7 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn,vgg,gpt (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28; gpt: the transformer job's GPT, batch 32 x 128 tokens)")
     ap.add_argument("--modes", type=csv, default=None,
                     help="compute-noinit,compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: "
-                         "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME) and "
+                         "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME; a -v "
+                         "suffix on ddp-dense / ddp-NAME: gradient_as_bucket_view=True) and "
                          "compressor names; 'ours' expands to "
                          f"--compressors (default {','.join(DEFAULT_MODES)})")
     ap.add_argument("--compressors", type=csv, default=None,
@@ -169,7 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         base_name = base_name[:-2] if base_name.endswith("-p") else base_name  # NAME-p: partial sparsification
         if re.fullmatch(r"powersgd\d+", base_name):  # our PowerSGD at rank R (powersgd4)
             continue
-        ddp = re.fullmatch(r"ddp-(dense|powersgd\d*|(.+))", m)  # DDP engine: dense, PyTorch PowerSGD[R], our hook
+        # DDP engine: dense, PyTorch PowerSGD[R], our hook; -v: gradient_as_bucket_view=True
+        ddp = re.fullmatch(r"ddp-(dense|powersgd\d*|(.+?))(-v)?", m)
         if ddp and (ddp.group(2) is None or ddp.group(2).replace("-", "_") in _REGISTRY):
             continue
         if m not in known_dense and base_name.replace("-", "_") not in _REGISTRY:
