@@ -188,7 +188,8 @@ def analyse(args) -> int:
         rs = runs[name]
         losses = [math.nan if r["test_loss"] is None else r["test_loss"] for r in rs]  # None: it diverged
         row = {"method": name, "seeds": len(rs), "test_loss": statistics.mean(losses),
-               "std": statistics.stdev(losses) if len(losses) > 1 else None,
+               "std": (None if len(losses) < 2 else math.nan if any(map(math.isnan, losses))
+                       else statistics.stdev(losses)),
                "vs_dense": statistics.mean(losses) / dense_loss - 1,
                "bytes_vs_dense": statistics.mean(r["bytes_sent"] / r["bytes_dense"] for r in rs),
                "steps": statistics.mean(r["step"] for r in rs)}

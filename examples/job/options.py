@@ -427,6 +427,10 @@ def describe_compression(args: argparse.Namespace) -> str:
         if args.outer_feedback_decay != 1.0:
             outer += f", error feedback decayed by {args.outer_feedback_decay} per sync"
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
+        if args.outer_momentum and args.optimizer == "sgd" and args.momentum:
+            # BENCHMARKS 3f: on the CNN, H = 10 diverged on one seed of two (both with a sparse pseudo-gradient)
+            text += (" [caution: an outer momentum on top of SGD's own momentum compounds; it diverged on the CNN "
+                     "at H = 10 where --outer-lr 1 --outer-momentum 0 (local SGD) trained best]")
     parts = []
     if args.dense_rounds:
         parts.append(f"{args.dense_rounds} dense rounds")
