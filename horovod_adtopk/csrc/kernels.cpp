@@ -613,7 +613,10 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
 //   3. a second row-major pass keeping every entry whose key reaches its column's threshold (ascending rows;
 //      such an entry lies in a block that reaches it, so these are adtopk_cols's candidates exactly);
 //   4. per column the exact selection among its candidates (finish).
-// Same thresholds, same candidates in the same order: the same result as adtopk_cols, bit for bit.
+// Same thresholds, same candidates in the same order: the same result as adtopk_cols, bit for bit. Where
+// block maxima cannot bound the k-th key (direct_select), pass 1 only adds and each column's threshold is the
+// sample_plan order statistic of its keys in S evenly spaced rows; a column that the candidate pass leaves
+// with fewer than k takes all of its entries.
 
 template <typename T, typename A>
 void slab_maxima(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t W, A* bm) {
@@ -632,6 +635,16 @@ void slab_maxima(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64
         m[c] = m[c] > kv ? m[c] : kv;
       }
     }
+  }
+}
+
+// x += g over a slab (what pass 1 does where a sampled threshold replaces the block maxima).
+template <typename T, typename A>
+void slab_add(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t W) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* __restrict x = a + i * cols + c0;
+    const T* __restrict gi = g + i * cols + c0;
+    for (int64_t c = 0; c < W; ++c) x[c] = add_as<T, A>(x[c], gi[c]);
   }
 }
 
@@ -685,6 +698,18 @@ HAT_AVX2 void slab_maxima_avx2(T* a, const T* g, int64_t rows, int64_t cols, int
   }
 }
 
+// slab_add on 8 columns at a time (the sum rounded to T exactly as add_as does).
+template <typename T>
+HAT_AVX2 void slab_add_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t W) {
+  const int64_t W8 = W - W % 8;
+  for (int64_t i = 0; i < rows; ++i) {
+    T* x = a + i * cols + c0;
+    const T* gi = g + i * cols + c0;
+    for (int64_t j = 0; j < W8; j += 8) Lanes<T>::store(x + j, _mm256_add_ps(Lanes<T>::load(x + j), Lanes<T>::load(gi + j)));
+    for (int64_t j = W8; j < W; ++j) x[j] = add_as<T, float>(x[j], gi[j]);
+  }
+}
+
 // slab_candidates_row comparing 8 keys at a time; only the (few) passing lanes are appended.
 template <typename T>
 HAT_AVX2 void slab_candidates_row_avx2(const T* x, int64_t W, int64_t c0, int64_t i, const float* thr,
@@ -711,30 +736,31 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
   const bool simd = use_simd();
   at::parallel_for(0, cols, 64, [&](int64_t c0, int64_t c1) {
     const int64_t W = c1 - c0;
-    // 1. x += g and the block maxima, then the maxima transposed (each column's contiguous).
-    auto bm = buffer<A>(nb * W);
-    bool vec = false;
-#if HAT_X86_SIMD
-    if constexpr (HasLanes<T>::value) {
-      if (simd) {
-        slab_maxima_avx2<T>(a, g, rows, cols, c0, W, bm.get());
-        vec = true;
-      }
-    }
-#endif
-    if (!vec) slab_maxima<T, A>(a, g, rows, cols, c0, W, bm.get());
+    // 1. x += g, with the block maxima where they give the thresholds; 2. per column its threshold.
+    const bool vec = simd && HasLanes<T>::value;
     auto thr = buffer<A>(W), tmp = buffer<A>(std::max<int64_t>(rows, 256) + BLOCK);
-    if (plan.S == 0) {
-      // 2. per column its threshold: at least k of its block maxima reach it.
-      auto bmt = buffer<A>(nb * W);
+    if (plan.S == 0) {  // at least k of the column's block maxima reach its threshold
+      auto bm = buffer<A>(nb * W);
+#if HAT_X86_SIMD
+      if constexpr (HasLanes<T>::value) {
+        if (vec) slab_maxima_avx2<T>(a, g, rows, cols, c0, W, bm.get());
+      }
+#endif
+      if (!vec) slab_maxima<T, A>(a, g, rows, cols, c0, W, bm.get());
+      auto bmt = buffer<A>(nb * W);  // transposed: each column's maxima contiguous
       for (int64_t b0 = 0; b0 < nb; b0 += BLOCK)
         for (int64_t c = 0; c < W; ++c)
           for (int64_t b = b0, be = std::min(nb, b0 + BLOCK); b < be; ++b) bmt[c * nb + b] = bm[b * W + c];
-      bm.reset();
       for (int64_t c = 0; c < W; ++c) thr[c] = group_threshold(bmt.get() + c * nb, nb, k, tmp.get());
-    } else {
-      // 2'. per column a threshold from the keys of S evenly spaced rows (checked by counting below).
-      bm.reset();
+    } else {  // from the keys of S evenly spaced rows (checked by counting below)
+      if (g != nullptr) {
+#if HAT_X86_SIMD
+        if constexpr (HasLanes<T>::value) {
+          if (vec) slab_add_avx2<T>(a, g, rows, cols, c0, W);
+        }
+#endif
+        if (!vec) slab_add<T, A>(a, g, rows, cols, c0, W);
+      }
       auto smp = buffer<A>(plan.S * W);
       for (int64_t q = 0; q < plan.S; ++q) {
         const T* x = a + ((q * rows) / plan.S) * cols + c0;
