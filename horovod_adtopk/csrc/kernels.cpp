@@ -844,17 +844,18 @@ std::vector<at::Tensor> adtopk_select(at::Tensor a, int64_t rows, int64_t cols, 
   TORCH_CHECK(k >= 1 && k <= n, "horovod_adtopk._C: need 1 <= k <= fiber length");
   at::Tensor values = at::empty({nf, k}, a.options());
   at::Tensor local = at::empty({nf, k}, a.options().dtype(at::kLong));
+  // Column fibers where block maxima cannot bound the k-th key: a threshold from a sample of their keys.
+  const SamplePlan col_plan = axis == 0 && direct_select(rows, k) ? sample_plan(rows, k) : SamplePlan();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "adtopk_select", [&] {
     scalar_t* ap = a.data_ptr<scalar_t>();
     const scalar_t* gp = grad.has_value() ? grad->data_ptr<scalar_t>() : nullptr;
     if (axis == 1)
       adtopk_rows<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
-    else if (!use_slabs() || (direct_select(rows, k) && sample_plan(rows, k).S == 0))
+    else if (!use_slabs() || (direct_select(rows, k) && col_plan.S == 0))
       adtopk_cols<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(), local.data_ptr<int64_t>());
     else
       adtopk_cols_slabs<scalar_t>(ap, gp, rows, cols, k, zero_sent, values.data_ptr<scalar_t>(),
-                                  local.data_ptr<int64_t>(),
-                                  direct_select(rows, k) ? sample_plan(rows, k) : SamplePlan());
+                                  local.data_ptr<int64_t>(), col_plan);
   });
   return {values, local};
 }
