@@ -82,6 +82,13 @@ METHODS: Dict[str, tuple] = {
                                                   *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
     "sparseloco10_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
                                                   *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
+    # ... with SparseLoCo's low-bit values: 2 (or 1) bits per value, per-fiber levels, bit-packed indices
+    "sparseloco10_adtopk05_decay95_q2": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
+                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
+                                                     "--outer-value-bits", "2"]),
+    "sparseloco10_adtopk05_decay95_q1": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
+                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
+                                                     "--outer-value-bits", "1"]),
     "sparseloco10_topk05_decay95": ("horovod", ["--compressor", "topk", "--ratio", "0.05", "--sync-every", "10",
                                                 *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
     "sparseloco50_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",

@@ -15,7 +15,9 @@ At every H-th step, per trainable tensor (in sorted-name order, identically on e
 on a sparse pseudo-gradient *instead of* outer momentum: a sparse compressor with ``Outer.sgd(lr)``, its
 residual decayed by ``beta = feedback_decay < 1`` at every sync, so that the memory acts as a momentum that
 forgets. With ``beta = 1`` nothing is dropped: ``sum of deltas = sent + e_r``; with ``beta < 1`` the part of
-a residual that waits ``n`` syncs is sent scaled by ``beta**n`` or not at all.)
+a residual that waits ``n`` syncs is sent scaled by ``beta**n`` or not at all. ``Outer(value_bits=b)``: the sparse
+values travel as b-bit codes and the indices bit-packed, :mod:`horovod_adtopk.quantize`; D(C(a_r)) is then what
+the codes carry, and the rest stays in e_r.)
 
 A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 1-D tensors, ``min_numel``,
 the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
@@ -53,6 +55,7 @@ from . import elastic, state as layout
 from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution
+from .quantize import QuantizedWire, check_value_bits
 from .stats import Stats
 from .wire import pack, payload_bytes
 
@@ -67,7 +70,8 @@ class Outer:
     (with ``sync_every=1`` and a dense exchange this is ordinary data parallelism: ``theta_outer - mean(delta)``
     is the mean of the ranks' parameters after their step)."""
 
-    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0) -> None:
+    def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0,
+                 value_bits: Optional[int] = None) -> None:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
             raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
@@ -82,30 +86,34 @@ class Outer:
                              f"got {feedback_decay!r}")
         self.lr, self.momentum, self.nesterov = float(lr), float(momentum), nesterov
         self.feedback_decay = float(feedback_decay)
+        self.value_bits = check_value_bits(value_bits)
 
     @classmethod
-    def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0) -> "Outer":
+    def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0,
+                 value_bits: Optional[int] = None) -> "Outer":
         """DiLoCo's outer optimizer (defaults from the paper)."""
-        return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay)
+        return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay, value_bits=value_bits)
 
     @classmethod
-    def momentum_sgd(cls, lr: float, momentum: float, feedback_decay: float = 1.0) -> "Outer":
+    def momentum_sgd(cls, lr: float, momentum: float, feedback_decay: float = 1.0,
+                     value_bits: Optional[int] = None) -> "Outer":
         """Heavy-ball momentum: ``theta <- theta - lr b``."""
-        return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay)
+        return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits)
 
     @classmethod
-    def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0) -> "Outer":
+    def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0, value_bits: Optional[int] = None) -> "Outer":
         """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum;
-        ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does)."""
-        return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay)
+        ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does; ``value_bits=2``
+        sends its values as 2-bit codes, :mod:`horovod_adtopk.quantize`)."""
+        return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits)
 
     def config(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "feedback_decay": self.feedback_decay}
+                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits}
 
     def __repr__(self) -> str:
         return (f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
-                f"feedback_decay={self.feedback_decay})")
+                f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits})")
 
     def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
         """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
@@ -127,6 +135,10 @@ def check_settings(sync_every, outer, compression) -> None:
     if outer.feedback_decay != 1.0 and not (is_sparse(compression) and compression.error_feedback):
         raise ValueError(f"feedback_decay={outer.feedback_decay} decays the error-feedback memory of a sparse "
                          f"compressor, and {compression!r} keeps none; use adtopk or topk, or feedback_decay=1")
+    if outer.value_bits is not None and not is_sparse(compression):
+        raise ValueError(f"value_bits={outer.value_bits} quantizes the values of a sparse outer exchange, and "
+                         f"{compression!r} is dense; use adtopk or topk, or value_bits=None (for a dense exchange "
+                         "in half the bytes use Compression.fp16)")
     if is_sparse(compression):
         if hasattr(compression, "make_exchange") or not compression.gathers:
             raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
@@ -268,7 +280,9 @@ class LocalSteps:
                 self.stats.bytes_sent += payload_bytes(wire)
                 self.stats.elements_sent += wire.numel()
                 out[name] = summed.to(self.infos[name].dtype).div_(active).view(self.infos[name].shape)
-        if sparse:
+        if sparse and self.outer.value_bits is not None:
+            self._exchange_quantized(sparse, world, out)
+        elif sparse:
             c = self.compression
             payloads = [pack(s.wire_values, s.wire_index, c.wire_value_dtype(self.infos[n].dtype), s.codec.index_dtype)
                         for n, s in sparse]
@@ -284,6 +298,29 @@ class LocalSteps:
                                  1.0 / world)
                 out[name] = avg.view(info.shape)
         return out
+
+    def _exchange_quantized(self, sparse, world: int, out: Dict[str, torch.Tensor]) -> None:
+        """The sparse payloads as low-bit blocks (:mod:`horovod_adtopk.quantize`): what the codes could not carry
+        goes back into the error-feedback memory, then every rank's block is decoded and summed in rank order."""
+        wires, payloads = [], []
+        for name, s in sparse:
+            info = self.infos[name]
+            wire = QuantizedWire.for_codec(self.outer.value_bits, s.codec, info.numel)
+            block, carried = wire.encode(s.values, s.wire_index)
+            if self.memory is not None:
+                self.memory.update(name, s.flat, s.values - carried.to(s.values.dtype))
+            wires.append(wire)
+            payloads.append(block)
+        gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
+        for (name, s), wire, payload, blocks in zip(sparse, wires, payloads, gathered):
+            info = self.infos[name]
+            for store in (self.stats.tensors[name], self.stats):
+                store.bytes_sent += payload_bytes(payload)
+                store.elements_sent += s.values.numel()
+            avg = torch.zeros(info.numel, dtype=info.dtype, device=payload.device)
+            for values, index in wire.decode(blocks, world):  # rank order: the same sum on every rank
+                avg.index_add_(0, s.codec.to_flat(index), values.to(info.dtype) * (1.0 / world))
+            out[name] = avg.view(info.shape)
 
     # --- state ------------------------------------------------------------------------------------------------
     def local_entry(self) -> dict:
@@ -327,8 +364,8 @@ class LocalSteps:
             raise ValueError("the checkpoint has no local-steps state (it was written without sync_every); "
                              "resume with the settings it was written with")
         saved_outer = block.get("outer")
-        if isinstance(saved_outer, dict):  # written before feedback_decay existed: lossless error feedback
-            saved_outer = {"feedback_decay": 1.0, **saved_outer}
+        if isinstance(saved_outer, dict):  # written before feedback_decay / value_bits existed: their defaults
+            saved_outer = {"feedback_decay": 1.0, "value_bits": None, **saved_outer}
         saved = {"sync_every": block.get("sync_every"), "outer": saved_outer}
         mine = {"sync_every": self.sync_every, "outer": self.outer.config()}
         if saved != mine:

@@ -50,9 +50,9 @@ def compression_of(case):
 
 def outer_of(case):
     o = case["outer"]
-    decay = o.get("feedback_decay", 1.0)
-    return (hat.Outer.nesterov(o["lr"], o["momentum"], feedback_decay=decay) if o.get("nesterov")
-            else hat.Outer.sgd(o["lr"], feedback_decay=decay))
+    decay, bits = o.get("feedback_decay", 1.0), o.get("value_bits")
+    return (hat.Outer.nesterov(o["lr"], o["momentum"], feedback_decay=decay, value_bits=bits) if o.get("nesterov")
+            else hat.Outer.sgd(o["lr"], feedback_decay=decay, value_bits=bits))
 
 
 def _params(model) -> dict:

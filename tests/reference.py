@@ -51,6 +51,51 @@ def topk_mask(a: np.ndarray, ratio: float) -> np.ndarray:
     return mask.reshape(a.shape)
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """float64 -> float32 -> bfloat16 (round to nearest, ties to even), returned as float64."""
+    u = np.asarray(x, dtype=np.float64).astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def quantize_group(v: np.ndarray, bits: int) -> np.ndarray:
+    """The low-bit value rule of the outer exchange: the group's magnitudes (float32), ranked ascending (ties
+    by position), fall into 2 ** (bits - 1) bins of equal count (bin = rank * L // n); each bin's level is the
+    mean magnitude of its entries rounded to bfloat16; an entry is carried as its sign times its bin's level."""
+    levels_n, n = 2 ** (bits - 1), v.size
+    mag = np.abs(v.astype(np.float32)).astype(np.float64)
+    rank = np.empty(n, dtype=np.int64)
+    rank[np.argsort(mag, kind="stable")] = np.arange(n)
+    bins = rank * levels_n // n
+    level = np.zeros(levels_n)
+    for b in range(levels_n):
+        if (bins == b).any():
+            level[b] = mag[bins == b].sum() / (bins == b).sum()
+    carried = round_bf16(level)[bins]
+    return np.where(np.signbit(v.astype(np.float32)), -carried, carried)
+
+
+def quantize_sparse(a: np.ndarray, mask: np.ndarray, bits: int, fiber_axis=None) -> np.ndarray:
+    """What a quantized sparse payload carries, as a dense array: ``a`` at ``mask`` quantized per group, zeros
+    elsewhere. Groups: each fiber of ``a.reshape(d0, -1)`` (``fiber_axis`` 1: rows, 0: columns), or, with
+    ``fiber_axis=None``, every kept entry together (flat rules)."""
+    m, keep = a.reshape(a.shape[0], -1), mask.reshape(a.shape[0], -1)
+    out = np.zeros_like(m, dtype=np.float64)
+    if fiber_axis is None:
+        out[keep] = quantize_group(m[keep], bits)
+        return out.reshape(a.shape)
+    mt, kt, ot = (m, keep, out) if fiber_axis == 1 else (m.T, keep.T, out.T)
+    for i in range(mt.shape[0]):
+        ot[i, kt[i]] = quantize_group(mt[i, kt[i]], bits)
+    return out.reshape(a.shape)
+
+
+def bitpack(x: np.ndarray, width: int) -> np.ndarray:
+    """Each integer's low ``width`` bits, LSB first, packed into bytes (numpy's packbits, little bit order)."""
+    bits = ((np.asarray(x, dtype=np.int64)[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+    return np.packbits(bits, bitorder="little")
+
+
 def threshold_mask(a: np.ndarray, t: float) -> np.ndarray:
     return (np.abs(a) >= t) | ~np.isfinite(a)
 

@@ -40,6 +40,15 @@ CASES = [
      "outer": {"lr": 1.0, "momentum": 0.0, "feedback_decay": 0.8}},
     {"name": "topk_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "compressor": "topk", "kwargs": {"ratio": 0.05, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0}},
+    # SparseLoCo-style low-bit values: per-fiber levels (ADTopk) and one group per payload (Top-k)
+    {"name": "adtopk_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 1, **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2}},
+    {"name": "adtopk_3bit_cols_decay_nesterov", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.5, "axis": 0, **SPARSE_KW},
+     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 3}},
+    {"name": "topk_1bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "topk", "kwargs": {"ratio": 0.1, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 1}},
 ]
 
 
@@ -92,7 +101,11 @@ def numpy_local_steps(case, initial, world):
                     if syncs < case.get("warmup", 0):
                         mine[n], resid[r][n] = a, np.zeros_like(a)
                     else:
-                        mine[n] = np.where(select_mask(case, a), a, 0.0)
+                        mask = select_mask(case, a)
+                        mine[n] = np.where(mask, a, 0.0)
+                        if o.get("value_bits"):  # carried values, the rest stays in e (module docstring)
+                            axis = case["kwargs"].get("axis") if case["compressor"] == "adtopk" else None
+                            mine[n] = ref.quantize_sparse(a, mask, o["value_bits"], axis)
                         resid[r][n] = a - mine[n]
                 else:
                     mine[n] = delta
@@ -264,15 +277,15 @@ def test_job_flags():
     assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
     kw = make_local_steps(args)
     assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                                               "feedback_decay": 1.0}
+                                                               "feedback_decay": 1.0, "value_bits": None}
     args = options.parse_args(["--compressor", "none", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 1.0}
+                                                        "feedback_decay": 1.0, "value_bits": None}
     assert "sync every 5 steps, outer SGD lr 1.0" in options.describe_compression(args)
     args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
                                "0", "--outer-feedback-decay", "0.95"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 0.95}
+                                                        "feedback_decay": 0.95, "value_bits": None}
     assert "error feedback decayed by 0.95 per sync" in options.describe_compression(args)
     # AdamW's per-step default (error feedback on the update) is local steps with H = 1: the decay applies there too
     args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--compressor", "topk",
@@ -306,3 +319,94 @@ def test_feedback_decay_settings():
         with pytest.raises(ValueError, match="keeps none"):
             local_steps.check_settings(2, hat.Outer.sgd(1.0, feedback_decay=0.9), dense)
     local_steps.check_settings(2, hat.Outer.sgd(1.0, feedback_decay=0.9), hat.Compression.adtopk(ratio=0.1))
+
+
+# --- low-bit values of the outer exchange (horovod_adtopk.quantize), one process ---------------------------------
+
+@pytest.mark.parametrize("width", [1, 2, 3, 5, 7, 8, 10, 13, 16, 31])
+def test_bitpack_matches_numpy_packbits(width):
+    from horovod_adtopk.quantize import bitpack, bitunpack
+    import torch
+
+    rs = np.random.RandomState(width)
+    for n in (0, 1, 7, 8, 9, 1000):
+        x = rs.randint(0, 2 ** width, size=n).astype(np.int64)
+        packed = bitpack(torch.from_numpy(x), width)
+        assert packed.dtype == torch.uint8 and packed.numel() == -(-n * width // 8)
+        np.testing.assert_array_equal(packed.numpy(), ref.bitpack(x, width) if n else np.zeros(0, np.uint8))
+        np.testing.assert_array_equal(bitunpack(packed, n, width).numpy(), x)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_quantized_wire_matches_reference(bits, dtype):
+    """encode -> decode at 1 and 3 ranks against the numpy rule (reference.quantize_group): per group, the
+    levels, the signs, the bins; indices round-trip exactly; what the sender says it carried is what every
+    receiver decodes; the block has the documented size."""
+    import torch
+    from horovod_adtopk.quantize import QuantizedWire
+
+    rs = np.random.RandomState(bits)
+    groups, group, max_index = 9, 12, 767
+    wire = QuantizedWire(bits, groups * group, group, max_index)
+    L = 2 ** (bits - 1)
+    assert wire.index_bits == 10 and wire.levels == L
+    used = groups * L * 2 + -(-groups * group * bits // 8) + -(-groups * group * 10 // 8)
+    assert wire.block_bytes == -(-used // 8) * 8
+    blocks, want = [], []
+    for r in range(3):
+        v = rs.standard_normal(groups * group) * rs.choice([1e-6, 1.0, 1e3], size=groups).repeat(group)
+        v[:3] = 0.0  # zeros and a tie inside the first group
+        v[5] = -v[4]
+        t = torch.from_numpy(v).to(getattr(torch, dtype))
+        idx = torch.from_numpy(rs.randint(0, max_index + 1, size=groups * group))
+        block, carried = wire.encode(t, idx)
+        assert block.dtype == torch.uint8 and block.numel() == wire.block_bytes
+        vv = t.to(torch.float64).numpy()
+        expect = np.concatenate([ref.quantize_group(vv[g * group:(g + 1) * group], bits) for g in range(groups)])
+        np.testing.assert_array_equal(carried.numpy(), expect)
+        blocks.append(block)
+        want.append((expect, idx.numpy()))
+    for world in (1, 3):
+        got = wire.decode(torch.cat(blocks[:world]), world)
+        assert len(got) == world
+        for (values, index), (expect, idx) in zip(got, want):
+            np.testing.assert_array_equal(values.numpy(), expect)
+            np.testing.assert_array_equal(index.numpy(), idx)
+    with pytest.raises(ValueError, match="ranks disagree on the outer wire format"):
+        wire.decode(torch.cat(blocks[:2])[:-8], 2)
+
+
+def test_value_bits_settings():
+    import horovod_adtopk as hat
+    from horovod_adtopk import local_steps
+
+    assert hat.Outer.sgd(1.0, value_bits=2).config()["value_bits"] == 2
+    assert hat.Outer.nesterov().config()["value_bits"] is None
+    for bad in (0, 9, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="value_bits must be None"):
+            hat.Outer.sgd(1.0, value_bits=bad)
+    for dense in (None, hat.Compression.none, hat.Compression.fp16):
+        with pytest.raises(ValueError, match="quantizes the values of a sparse outer exchange"):
+            local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), dense)
+    local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), hat.Compression.topk(ratio=0.1))
+
+
+def test_value_bits_job_flag():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from job import options
+    from job.engine import make_local_steps
+
+    args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10", "--outer-lr", "1",
+                               "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2"])
+    assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
+                                                        "feedback_decay": 0.95, "value_bits": 2}
+    assert "2-bit values and bit-packed indices" in options.describe_compression(args)
+    for argv in (["--compressor", "adtopk", "--outer-value-bits", "2"],
+                 ["--compressor", "none", "--sync-every", "4", "--outer-value-bits", "2"],
+                 ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "0"],
+                 ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "9"],
+                 ["--compressor", "threshold", "--threshold", "0.1", "--sync-every", "4", "--outer-value-bits", "2"]):
+        with pytest.raises(SystemExit) as exc:
+            options.parse_args(argv)
+        assert exc.value.code == 2, argv

@@ -23,12 +23,14 @@ def make_compression(args: argparse.Namespace):
 
 
 def make_local_steps(args: argparse.Namespace) -> dict:
-    """The local-steps keywords of --sync-every / --outer-lr / --outer-momentum / --outer-feedback-decay ({} when off)."""
+    """The local-steps keywords of --sync-every / --outer-lr / --outer-momentum / --outer-feedback-decay /
+    --outer-value-bits ({} when off)."""
     if not getattr(args, "sync_every", 0):
         return {}
     decay = getattr(args, "outer_feedback_decay", 1.0)
-    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum, feedback_decay=decay)
-             if args.outer_momentum else hat.Outer.sgd(lr=args.outer_lr, feedback_decay=decay))
+    bits = getattr(args, "outer_value_bits", None)
+    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum, feedback_decay=decay, value_bits=bits)
+             if args.outer_momentum else hat.Outer.sgd(lr=args.outer_lr, feedback_decay=decay, value_bits=bits))
     return {"sync_every": args.sync_every, "outer": outer}
 
 

@@ -66,6 +66,10 @@ def _add_local_steps_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--outer-feedback-decay", type=float, default=1.0,
                    help="a sparse compressor's error-feedback memory is multiplied by this at every sync before the "
                         "pseudo-gradient is added (SparseLoCo's beta; 1: nothing is dropped)")
+    g.add_argument("--outer-value-bits", type=int, default=None, choices=range(1, 9), metavar="{1..8}",
+                   help="a sparse pseudo-gradient's values travel as this many bits each (1 sign bit, the rest a "
+                        "magnitude level per fiber) and its indices bit-packed (SparseLoCo uses 2); what the codes "
+                        "do not carry stays in the error-feedback memory (default: the compressor's value dtype)")
 
 
 def _resolve_local_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -241,6 +245,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_compression(p, args)
     _resolve_feedback(p, args)
     _resolve_feedback_decay(p, args)
+    _resolve_value_bits(p, args)
     _check_elastic(p, args)
     return args
 
@@ -345,6 +350,17 @@ def _resolve_feedback_decay(p: argparse.ArgumentParser, args: argparse.Namespace
                 "adtopk, adtopk_i or topk")
 
 
+def _resolve_value_bits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--outer-value-bits quantizes the sparse payload of a local-steps sync."""
+    if getattr(args, "outer_value_bits", None) is None:
+        return
+    if not args.sync_every:
+        p.error("--outer-value-bits applies to the outer exchange of local steps; add --sync-every H")
+    if not is_sparse_rule(args.compressor) or args.threshold is not None:
+        p.error("--outer-value-bits quantizes a sparse pseudo-gradient; use it with --compressor adtopk, adtopk_i "
+                "or topk (for a dense exchange in half the bytes use --compressor fp16)")
+
+
 def is_sparse_rule(compressor: str) -> bool:
     """A compressor that sends a fraction ``--ratio`` of the entries (not dense, not PowerSGD's low rank)."""
     return not hat.Compression.is_dense_name(compressor) and compressor != "powersgd"
@@ -426,6 +442,8 @@ def describe_compression(args: argparse.Namespace) -> str:
                  else f"SGD lr {args.outer_lr}")
         if args.outer_feedback_decay != 1.0:
             outer += f", error feedback decayed by {args.outer_feedback_decay} per sync"
+        if getattr(args, "outer_value_bits", None) is not None:
+            outer += f", {args.outer_value_bits}-bit values and bit-packed indices"
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
         if args.outer_momentum and args.optimizer == "sgd" and args.momentum:
             # BENCHMARKS 3f: on the CNN, H = 10 diverged on one seed of two (both with a sparse pseudo-gradient)
