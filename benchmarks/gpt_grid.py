@@ -53,6 +53,8 @@ METHODS: Dict[str, tuple] = {
     "adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01"]),
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
     "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05"]),
+    # the paper's interleaving: fiber rounds alternate with global top-k rounds
+    "adtopki01": ("horovod", ["--compressor", "adtopk_i", "--ratio", "0.01"]),
     "psgd4": ("horovod", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "ddp_psgd4": ("ddp", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "diloco10": ("horovod", ["--compressor", "none", "--sync-every", "10"]),
