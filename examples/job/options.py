@@ -126,7 +126,8 @@ def _add_optimizer_flags(p: argparse.ArgumentParser) -> None:
                    help="clip the averaged gradient to this global norm; 0: off (default: off / 1.0 for lstm)")
     p.add_argument("--bf16", action="store_true",
                    help="run the forward pass under bfloat16 autocast (CPU or CUDA); the loss, the gradients, the "
-                        "parameters and the optimizer state stay float32")
+                        "parameters and the optimizer state stay float32; on a CPU without native bfloat16 "
+                        "(AVX512-BF16, AMX) it is several times slower than float32, and the job warns")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even when a GPU is available")
 
