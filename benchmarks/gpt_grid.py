@@ -18,6 +18,7 @@ committed code, so that edits to the checkout do not change a grid that is under
     python benchmarks/gpt_grid.py --out ../grid-runs --group local --seeds 1,2            # issue 29's methods
     python benchmarks/gpt_grid.py --out ../grid-runs --analyse [--step-times step.json]   # the table
     python benchmarks/gpt_grid.py --workload cnn --out ../cnn-runs --group local --steps 1407  # Fashion-MNIST
+    python benchmarks/gpt_grid.py --workload gpt-fp32 --out ../gpt32-runs --steps 400 --methods ...  # no bf16 CPU
 
 ``--analyse`` reads every summary in ``--out`` and writes ``table.md`` and ``table.json`` there: per method
 the final test loss (mean +- sample std over the seeds present), its ratio to dense's, bytes sent against
@@ -45,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "--resume"]
 # workload -> (job flags, optimizer steps per epoch on 2 ranks: --epochs covers --steps, --max-steps stops)
 WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 500),
+             # float32: for CPUs without native bfloat16, where bf16 autocast runs several times slower
+             "gpt-fp32": (["--dataset", "shakespeare", "--model", "gpt"], 500),
              "cnn": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100"], 469)}
 SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
 # name -> (engine, flags); the DDP engine's methods run under torchrun
