@@ -24,6 +24,7 @@ same bits on every rank.
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import List, Tuple
 
 import torch
@@ -53,30 +54,72 @@ def packed_bytes(n: int, width: int) -> int:
     return -(-n * width // 8)
 
 
+def _words(width: int) -> int:
+    """64-bit words that hold 8 entries of ``width`` bits (8 entries fill ``width`` whole bytes)."""
+    return -(-width // 8)
+
+
 def bitpack(x: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack the low ``width`` bits of each non-negative integer of 1-D ``x`` into bytes, LSB first."""
+    """Pack the low ``width`` bits (1..56) of each non-negative integer of 1-D ``x`` into bytes, LSB first:
+    entry i occupies bits ``i * width .. (i + 1) * width - 1`` of the little-endian byte string.
+
+    Eight entries at a time fill ``width`` whole bytes: they are OR-ed into ``ceil(width / 8)`` 64-bit words
+    (the few shifts are per column, vectorised over the rows), whose bytes are the packed bytes."""
     n = x.numel()
-    out = torch.zeros(packed_bytes(n, width), dtype=torch.uint8, device=x.device)
     if n == 0:
-        return out
-    shifts = torch.arange(width, device=x.device, dtype=torch.int64)
-    bits = ((x.to(torch.int64).reshape(-1, 1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=x.device)
-    out.copy_((bits.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8))
-    return out
+        return torch.zeros(0, dtype=torch.uint8, device=x.device)
+    rows = -(-n // 8)
+    v = torch.zeros(rows * 8, dtype=torch.int64, device=x.device)
+    v[:n] = x.reshape(-1).to(torch.int64) & ((1 << width) - 1)
+    v = v.view(rows, 8)
+    K = _words(width)
+    words = torch.zeros(rows, K, dtype=torch.int64, device=x.device)
+    for j in range(8):
+        off = j * width
+        word, sh = off // 64, off % 64
+        words[:, word] |= v[:, j] << sh  # bits shifted past bit 63 are dropped here ...
+        if sh + width > 64:
+            words[:, word + 1] |= v[:, j] >> (64 - sh)  # ... and land in the next word
+    packed = _bytes_of(words)[:, :width].reshape(-1)
+    return packed[:packed_bytes(n, width)].contiguous()
 
 
 def bitunpack(data: torch.Tensor, n: int, width: int) -> torch.Tensor:
     """The ``n`` integers (int64) that :func:`bitpack` packed at ``width`` bits into ``data`` (uint8)."""
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
-    shifts8 = torch.arange(8, device=data.device, dtype=torch.uint8)
-    bits = ((data.reshape(-1, 1) >> shifts8) & 1).reshape(-1)[:n * width].view(n, width).to(torch.int64)
-    shifts = torch.arange(width, device=data.device, dtype=torch.int64)
-    return (bits << shifts).sum(1)
+    rows, K = -(-n // 8), _words(width)
+    raw = torch.zeros(rows * width, dtype=torch.uint8, device=data.device)
+    raw[:data.numel()] = data.reshape(-1)
+    padded = torch.zeros(rows, 8 * K, dtype=torch.uint8, device=data.device)
+    padded[:, :width] = raw.view(rows, width)
+    words = _words_of(padded)
+    mask = (1 << width) - 1
+    out = torch.empty(rows, 8, dtype=torch.int64, device=data.device)
+    for j in range(8):
+        off = j * width
+        word, sh = off // 64, off % 64
+        val = words[:, word] >> sh  # arithmetic shift: the sign-extended bits lie above bit 63 - sh
+        if sh + width > 64:
+            val = (val & ((1 << (64 - sh)) - 1)) | (words[:, word + 1] << (64 - sh))
+        out[:, j] = val & mask
+    return out.view(-1)[:n]
+
+
+def _bytes_of(words: torch.Tensor) -> torch.Tensor:
+    """[rows, K] int64 -> [rows, 8K] uint8, least significant byte first."""
+    if sys.byteorder == "little":
+        return words.contiguous().view(torch.uint8)
+    shifts = torch.arange(0, 64, 8, device=words.device)
+    return ((words.unsqueeze(2) >> shifts) & 0xFF).to(torch.uint8).reshape(words.shape[0], -1)
+
+
+def _words_of(data: torch.Tensor) -> torch.Tensor:
+    """[rows, 8K] uint8 -> [rows, K] int64 (the inverse of :func:`_bytes_of`)."""
+    if sys.byteorder == "little":
+        return data.contiguous().view(torch.int64)
+    shifts = torch.arange(0, 64, 8, device=data.device)
+    return (data.view(data.shape[0], -1, 8).to(torch.int64) << shifts).sum(2)
 
 
 class QuantizedWire:
@@ -114,16 +157,18 @@ class QuantizedWire:
         """(codes int64 [n], levels bfloat16 [G, L], carried float32 [n])."""
         v = values.detach().to(torch.float32).reshape(self.groups, self.group)
         mag = v.abs()
-        order = torch.argsort(mag, dim=1, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(self.group, device=v.device).expand(self.groups, -1).contiguous())
-        bins = rank * self.levels // self.group  # equal-count bins by magnitude rank, 0 = smallest
-        slot = bins + torch.arange(self.groups, device=v.device).unsqueeze(1) * self.levels
-        sums = torch.zeros(self.groups * self.levels, dtype=torch.float64, device=v.device)
-        sums.index_add_(0, slot.reshape(-1), mag.reshape(-1).to(torch.float64))
-        counts = torch.zeros_like(sums)
-        counts.index_add_(0, slot.reshape(-1), torch.ones(self.count, dtype=torch.float64, device=v.device))
-        levels = (sums / counts.clamp_min(1)).to(torch.bfloat16).view(self.groups, self.levels)
+        ranked, order = torch.sort(mag, dim=1, stable=True)  # ascending, ties by position
+        # equal-count bins by magnitude rank (0 = smallest): rank p falls in bin p * L // group
+        edges = [-(-b * self.group // self.levels) for b in range(self.levels + 1)]
+        levels = torch.zeros(self.groups, self.levels, dtype=torch.float64, device=v.device)
+        for b in range(self.levels):
+            lo, hi = edges[b], edges[b + 1]
+            if hi > lo:
+                levels[:, b] = ranked[:, lo:hi].sum(1, dtype=torch.float64) / (hi - lo)
+        levels = levels.to(torch.float32).to(torch.bfloat16)
+        rank_bin = torch.arange(self.group, device=v.device) * self.levels // self.group
+        bins = torch.empty_like(order)
+        bins.scatter_(1, order, rank_bin.expand(self.groups, -1))
         negative = torch.signbit(v).to(torch.int64)
         codes = (negative << (self.bits - 1)) | bins
         carried = torch.gather(levels.to(torch.float32), 1, bins)
