@@ -25,6 +25,10 @@
 #                    on a text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
 #                    checks that it ran on cuda, compressed (density < 0.1) and ended with a finite loss.
 #                    Summary in $OUT/gpt.json.
+#   6. gpt_local     the same job with local steps and the SparseLoCo-style outer exchange (ADTopk 0.05, H = 5,
+#                    outer SGD lr 1, error feedback decayed by 0.95, 2-bit values: horovod_adtopk/quantize.py on
+#                    CUDA tensors) for 20 steps; checks cuda, density < 0.02 (elements; 0.01 for the sparse tensors) and a finite loss.
+#                    Summary in $OUT/gpt_local.json.
 #
 # GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
 # and the ddp stage on CPU tensors over Gloo with a small MLP (to check the script where there is no GPU).
@@ -266,20 +270,48 @@ sys.exit(0 if ok else 1)
 PYEOF
 }
 
+gpt_local() {
+    local text="$OUT_DIR/gpt_text" torchrun
+    mkdir -p "$text"
+    for f in README.md BENCHMARKS.md; do cp "$f" "$text/${f%.md}.txt"; done
+    torchrun="$(dirname "$(command -v "$PY")")/torchrun"
+    [ -x "$torchrun" ] || torchrun="torchrun"
+    local device=(--ddp-backend gloo)
+    [ "$DRY" = "1" ] && device+=(--no-cuda)
+    OMP_NUM_THREADS=2 "$torchrun" --standalone --nproc-per-node 2 examples/train.py --engine ddp "${device[@]}" \
+        --dataset shakespeare --data-dir "$text" --model gpt --compressor adtopk --ratio 0.05 --sync-every 5 \
+        --outer-lr 1 --outer-momentum 0 --outer-feedback-decay 0.95 --outer-value-bits 2 \
+        --epochs 3 --max-steps 20 --test-batches 2 --no-progress --log-every 0 \
+        --summary-json "$OUT_DIR/gpt_local.json" || return 1
+    "$PY" - "$OUT_DIR/gpt_local.json" "$OUT_DIR/gpt_local.log" "$DRY" <<'PYEOF'
+import json, math, sys
+res = json.load(open(sys.argv[1]))
+log = open(sys.argv[2]).read()
+want = "cpu" if sys.argv[3] == "1" else "cuda"
+ok = (f"torchrun init, {want})" in log and "2-bit values" in log and res["density"] < 0.02
+      and math.isfinite(res["test_loss"]) and res["step"] == 20)
+print(f"gpt_local: device {want}, density {res['density']:.5f}, test loss {res['test_loss']:.3f}, "
+      f"{res['wall_time']:.1f} s for 20 steps: {'ok' if ok else 'FAILED'}")
+sys.exit(0 if ok else 1)
+PYEOF
+}
+
 export OUT_DIR PY DRY
-export -f versions run_tests bench ddp_check gpt
+export -f versions run_tests bench ddp_check gpt gpt_local
 
 if [ "$DRY" = "1" ]; then
     echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter) and ddp stage (CPU, Gloo)"
     run_stage bench 300 bench
     run_stage ddp 180 ddp_check
     run_stage gpt 180 gpt
+    run_stage gpt_local 180 gpt_local
 else  # stage limits add up to 9.5 minutes
     run_stage versions 30 versions
-    run_stage tests 200 run_tests
-    run_stage bench 150 bench
+    run_stage tests 180 run_tests
+    run_stage bench 140 bench
     run_stage ddp 100 ddp_check
-    run_stage gpt 90 gpt
+    run_stage gpt 70 gpt
+    run_stage gpt_local 50 gpt_local
 fi
 
 if [ -n "$FAILED" ]; then
