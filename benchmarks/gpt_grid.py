@@ -50,6 +50,19 @@ WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 5
              "gpt-fp32": (["--dataset", "shakespeare", "--model", "gpt"], 500),
              "cnn": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100"], 469)}
 SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
+
+
+def sparseloco(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None) -> List[str]:
+    """The job flags of a SparseLoCo-style run: ``rule`` at ratio 0.<ratio> on the pseudo-gradient every ``h`` steps."""
+    flags = ["--compressor", rule, "--ratio", f"0.{ratio}", "--sync-every", str(h), *SPARSELOCO_OUTER]
+    flags += ["--outer-feedback-decay", "0.95"] if decay else []
+    return flags + (["--outer-value-bits", str(bits)] if bits else [])
+
+
+def sparseloco_name(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None) -> str:
+    return f"sparseloco{h}_{rule}{ratio}" + ("_decay95" if decay else "") + (f"_q{bits}" if bits else "")
+
+
 # name -> (engine, flags); the DDP engine's methods run under torchrun
 METHODS: Dict[str, tuple] = {
     "dense": ("horovod", ["--compressor", "none"]),
@@ -75,40 +88,15 @@ METHODS: Dict[str, tuple] = {
     "diloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"]),
     "diloco50_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "50"]),
     "diloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50"]),
-    # SparseLoCo's recipe: error feedback on the sparse pseudo-gradient in place of outer momentum, outer SGD lr 1
-    "sparseloco10_adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10",
-                                          *SPARSELOCO_OUTER]),
-    "sparseloco10_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
-                                          *SPARSELOCO_OUTER]),
-    "sparseloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",
-                                          *SPARSELOCO_OUTER]),
-    # ... with the error-feedback memory decayed by 0.95 at every sync (SparseLoCo's beta)
-    "sparseloco10_adtopk01_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--sync-every", "10",
-                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
-    "sparseloco10_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
-                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
-    # ... with SparseLoCo's low-bit values: 2 (or 1) bits per value, per-fiber levels, bit-packed indices
-    "sparseloco10_adtopk05_decay95_q2": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
-                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
-                                                     "--outer-value-bits", "2"]),
-    "sparseloco10_adtopk05_decay95_q1": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10",
-                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
-                                                     "--outer-value-bits", "1"]),
-    # ... and at H = 12: under 0.2% of dense's bytes
-    "sparseloco12_adtopk05_decay95_q2": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "12",
-                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
-                                                     "--outer-value-bits", "2"]),
-    "sparseloco12_adtopk05_decay95_q1": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "12",
-                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
-                                                     "--outer-value-bits", "1"]),
-    # ... and at H = 15 (the GPT's 1-D tensors travel dense at every sync: about 0.09% of dense's bytes at H = 10)
-    "sparseloco15_adtopk05_decay95_q2": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "15",
-                                                     *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95",
-                                                     "--outer-value-bits", "2"]),
-    "sparseloco10_topk05_decay95": ("horovod", ["--compressor", "topk", "--ratio", "0.05", "--sync-every", "10",
-                                                *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
-    "sparseloco50_adtopk05_decay95": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50",
-                                                  *SPARSELOCO_OUTER, "--outer-feedback-decay", "0.95"]),
+    # SparseLoCo's recipe (sparseloco()): error feedback on the sparse pseudo-gradient in place of outer momentum,
+    # outer SGD lr 1; "_decay95": the memory decayed by 0.95 at every sync (SparseLoCo's beta); "_qB": B-bit
+    # values and bit-packed indices (H = 12 and 15: under 0.2% of dense's bytes; the GPT's 1-D tensors travel dense
+    # at every sync, about 0.09% of dense's bytes at H = 10)
+    **{sparseloco_name(*cfg): ("horovod", sparseloco(*cfg)) for cfg in [
+        (10, "adtopk", "01"), (10, "adtopk", "05"), (50, "adtopk", "05"),
+        (10, "adtopk", "01", True), (10, "adtopk", "05", True), (10, "topk", "05", True), (50, "adtopk", "05", True),
+        (10, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 1), (12, "adtopk", "05", True, 2),
+        (12, "adtopk", "05", True, 1), (15, "adtopk", "05", True, 2)]},
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
