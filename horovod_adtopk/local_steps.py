@@ -54,8 +54,8 @@ import torch
 from . import elastic, state as layout
 from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
-from .sparsify import Sparsifier, aggregate_blocks, dense_contribution
 from .quantize import QuantizedWire, check_value_bits
+from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
 from .stats import Stats
 from .wire import pack, payload_bytes
 
@@ -317,9 +317,10 @@ class LocalSteps:
             for store in (self.stats.tensors[name], self.stats):
                 store.bytes_sent += payload_bytes(payload)
                 store.elements_sent += s.values.numel()
-            avg = torch.zeros(info.numel, dtype=info.dtype, device=payload.device)
-            for values, index in wire.decode(blocks, world):  # rank order: the same sum on every rank
-                avg.index_add_(0, s.codec.to_flat(index), values.to(info.dtype) * (1.0 / world))
+            decoded = wire.decode(blocks, world)
+            avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
+            sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
+                              [wire.count] * world, s.codec, 1.0 / world)
             out[name] = avg.view(info.shape)
 
     # --- state ------------------------------------------------------------------------------------------------

@@ -120,8 +120,15 @@ def aggregate_blocks(dense: torch.Tensor, gathered: torch.Tensor, counts: Sequen
     Rank by rank, so every rank computes bitwise the same sum: on the CPU ``index_add_`` is sequential in
     rank order; on CUDA (atomics) one launch per rank, where indices are unique within a rank's block.
     """
-    dense.zero_()
     values, index = unpack(gathered, counts, value_dtype, codec.index_dtype)
+    return sum_in_rank_order(dense, values, index, counts, codec, scale)
+
+
+def sum_in_rank_order(dense: torch.Tensor, values: torch.Tensor, index: torch.Tensor, counts: Sequence[int], codec,
+                      scale: float = 1.0) -> torch.Tensor:
+    """Every rank's entries (values and wire indices concatenated in rank order, ``counts`` per rank), times
+    ``scale``, summed into ``dense`` (1-D, overwritten) rank by rank (see :func:`aggregate_blocks`)."""
+    dense.zero_()
     values = values.to(dense.dtype)
     if scale != 1.0:
         values = values * scale
