@@ -52,15 +52,19 @@ WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 5
 SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
 
 
-def sparseloco(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None) -> List[str]:
+def sparseloco(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None,
+               group: Optional[int] = None) -> List[str]:
     """The job flags of a SparseLoCo-style run: ``rule`` at ratio 0.<ratio> on the pseudo-gradient every ``h`` steps."""
     flags = ["--compressor", rule, "--ratio", f"0.{ratio}", "--sync-every", str(h), *SPARSELOCO_OUTER]
     flags += ["--outer-feedback-decay", "0.95"] if decay else []
-    return flags + (["--outer-value-bits", str(bits)] if bits else [])
+    flags += ["--outer-value-bits", str(bits)] if bits else []
+    return flags + (["--outer-value-group", str(group)] if group else [])
 
 
-def sparseloco_name(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None) -> str:
-    return f"sparseloco{h}_{rule}{ratio}" + ("_decay95" if decay else "") + (f"_q{bits}" if bits else "")
+def sparseloco_name(h: int, rule: str, ratio: str, decay: bool = False, bits: Optional[int] = None,
+                    group: Optional[int] = None) -> str:
+    return (f"sparseloco{h}_{rule}{ratio}" + ("_decay95" if decay else "") + (f"_q{bits}" if bits else "")
+            + (f"g{group}" if group else ""))
 
 
 # name -> (engine, flags); the DDP engine's methods run under torchrun
@@ -90,13 +94,16 @@ METHODS: Dict[str, tuple] = {
     "diloco50_adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "50"]),
     # SparseLoCo's recipe (sparseloco()): error feedback on the sparse pseudo-gradient in place of outer momentum,
     # outer SGD lr 1; "_decay95": the memory decayed by 0.95 at every sync (SparseLoCo's beta); "_qB": B-bit
-    # values and bit-packed indices (H = 12 and 15: under 0.2% of dense's bytes; the GPT's 1-D tensors travel dense
-    # at every sync, about 0.09% of dense's bytes at H = 10)
+    # values and bit-packed indices (H = 12 and 15: under 0.2% of dense's bytes); "_qBgN": levels shared by runs of
+    # whole fibers, at least N entries. Since value_group existed, the 1-D tensors travel as bfloat16 with
+    # value_bits (about 0.04% of dense's bytes at H = 10 on the GPT, 0.08% before); q1/q2 rows measured before
+    # that sent them in float32
     **{sparseloco_name(*cfg): ("horovod", sparseloco(*cfg)) for cfg in [
         (10, "adtopk", "01"), (10, "adtopk", "05"), (50, "adtopk", "05"),
         (10, "adtopk", "01", True), (10, "adtopk", "05", True), (10, "topk", "05", True), (50, "adtopk", "05", True),
         (10, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 1), (12, "adtopk", "05", True, 2),
-        (12, "adtopk", "05", True, 1), (15, "adtopk", "05", True, 2)]},
+        (12, "adtopk", "05", True, 1), (15, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 2, 64),
+        (12, "adtopk", "05", True, 2, 64), (10, "adtopk", "05", True, 1, 64)]},
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",

@@ -17,7 +17,9 @@ residual decayed by ``beta = feedback_decay < 1`` at every sync, so that the mem
 forgets. With ``beta = 1`` nothing is dropped: ``sum of deltas = sent + e_r``; with ``beta < 1`` the part of
 a residual that waits ``n`` syncs is sent scaled by ``beta**n`` or not at all. ``Outer(value_bits=b)``: the sparse
 values travel as b-bit codes and the indices bit-packed, :mod:`horovod_adtopk.quantize`; D(C(a_r)) is then what
-the codes carry, and the rest stays in e_r.)
+the codes carry, and the rest stays in e_r; ``value_group=n`` shares one set of levels among whole fibers, at
+least n entries; the tensors that always travel dense, 1-D ones and those under ``min_numel``, then travel as
+bfloat16 with their rounding in e_r, gathered and summed in rank order.)
 
 A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 1-D tensors, ``min_numel``,
 the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
@@ -54,7 +56,7 @@ import torch
 from . import elastic, state as layout
 from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
-from .quantize import QuantizedWire, check_value_bits
+from .quantize import QuantizedWire, check_value_bits, check_value_group
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
 from .stats import Stats
 from .wire import pack, payload_bytes
@@ -71,7 +73,7 @@ class Outer:
     is the mean of the ranks' parameters after their step)."""
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0,
-                 value_bits: Optional[int] = None) -> None:
+                 value_bits: Optional[int] = None, value_group: Optional[int] = None) -> None:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
             raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
@@ -87,33 +89,39 @@ class Outer:
         self.lr, self.momentum, self.nesterov = float(lr), float(momentum), nesterov
         self.feedback_decay = float(feedback_decay)
         self.value_bits = check_value_bits(value_bits)
+        self.value_group = check_value_group(value_group, self.value_bits)
 
     @classmethod
     def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0,
-                 value_bits: Optional[int] = None) -> "Outer":
+                 value_bits: Optional[int] = None, value_group: Optional[int] = None) -> "Outer":
         """DiLoCo's outer optimizer (defaults from the paper)."""
-        return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay, value_bits=value_bits)
+        return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay, value_bits=value_bits,
+                   value_group=value_group)
 
     @classmethod
     def momentum_sgd(cls, lr: float, momentum: float, feedback_decay: float = 1.0,
-                     value_bits: Optional[int] = None) -> "Outer":
+                     value_bits: Optional[int] = None, value_group: Optional[int] = None) -> "Outer":
         """Heavy-ball momentum: ``theta <- theta - lr b``."""
-        return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits)
+        return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits,
+                   value_group=value_group)
 
     @classmethod
-    def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0, value_bits: Optional[int] = None) -> "Outer":
+    def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0, value_bits: Optional[int] = None,
+            value_group: Optional[int] = None) -> "Outer":
         """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum;
         ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does; ``value_bits=2``
-        sends its values as 2-bit codes, :mod:`horovod_adtopk.quantize`)."""
-        return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits)
+        sends its values as 2-bit codes, :mod:`horovod_adtopk.quantize`; ``value_group=64`` lets whole fibers
+        share their levels until a set serves at least 64 entries)."""
+        return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits,
+                   value_group=value_group)
 
     def config(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits}
+                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group}
 
     def __repr__(self) -> str:
         return (f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
-                f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits})")
+                f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits}, value_group={self.value_group})")
 
     def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
         """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
@@ -236,12 +244,17 @@ class LocalSteps:
             self.memory.scale_(self.outer.feedback_decay, velocities=False)  # e_r <- beta e_r, before delta is added
         dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
         sparse: List[Tuple[str, object]] = []  # (name, selection)
+        halves: List[Tuple[str, torch.Tensor]] = []  # (name, delta): always-dense tensors in bfloat16
+        low_bit_dense = self.outer.value_bits is not None and world > 1 and active == world
         with torch.no_grad():
             for name, p in self.params:
                 delta = self.theta[name] - p.detach()
                 info = self.infos[name]
                 if self.sparse_path[name] and not dense_round:
                     sparse.append((name, self.sparsifier.select(delta, info, self.syncs)))
+                    continue
+                if low_bit_dense and not self.sparse_path[name]:
+                    halves.append((name, delta))
                     continue
                 released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
                 wire = released if released is not None else delta
@@ -250,6 +263,8 @@ class LocalSteps:
                     wire, ctx = self.dense_compression.compress(wire)
                 dense.append((name, wire, ctx))
             averages = self._exchange(dense, sparse, world, active)
+            if halves:
+                averages.update(self._exchange_bf16(halves, world))
             for name, p in self.params:
                 theta, avg = self.theta[name], averages[name]
                 buf = None
@@ -305,7 +320,7 @@ class LocalSteps:
         wires, payloads = [], []
         for name, s in sparse:
             info = self.infos[name]
-            wire = QuantizedWire.for_codec(self.outer.value_bits, s.codec, info.numel)
+            wire = QuantizedWire.for_codec(self.outer.value_bits, s.codec, info.numel, self.outer.value_group)
             block, carried = wire.encode(s.values, s.wire_index)
             if self.memory is not None:
                 self.memory.update(name, s.flat, s.values - carried.to(s.values.dtype))
@@ -322,6 +337,31 @@ class LocalSteps:
             sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
                               [wire.count] * world, s.codec, 1.0 / world)
             out[name] = avg.view(info.shape)
+
+    def _exchange_bf16(self, halves, world: int) -> Dict[str, torch.Tensor]:
+        """With ``value_bits``, the tensors that always travel dense (1-D, small ones) do so as bfloat16: every
+        rank's block is gathered and summed in rank order in the tensor's dtype; the rounding stays in the
+        error-feedback memory, as a sparse tensor's unsent part does."""
+        blocks = []
+        for name, delta in halves:
+            a = delta if self.memory is None else self.memory.compensate(name, delta)  # a = delta + beta e
+            half = a.reshape(-1).to(torch.bfloat16)
+            if self.memory is not None:
+                a.sub_(half.to(a.dtype).view(a.shape))  # e <- a - what bfloat16 carries
+            blocks.append(half.view(torch.uint8))
+        gathered = self.comm.gather_tensors(blocks, [f"hat.outer.bf16.{n}" for n, _ in halves])
+        out = {}
+        for (name, _), block, got in zip(halves, blocks, gathered):
+            info = self.infos[name]
+            for store in (self.stats.tensors[name], self.stats):
+                store.bytes_sent += block.numel()
+                store.elements_sent += info.numel
+            parts = got.contiguous().view(torch.bfloat16).view(world, info.numel)
+            total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
+            for r in range(world):
+                total += parts[r].to(info.dtype)
+            out[name] = total.mul_(1.0 / world).view(info.shape)
+        return out
 
     # --- state ------------------------------------------------------------------------------------------------
     def local_entry(self) -> dict:
@@ -365,8 +405,8 @@ class LocalSteps:
             raise ValueError("the checkpoint has no local-steps state (it was written without sync_every); "
                              "resume with the settings it was written with")
         saved_outer = block.get("outer")
-        if isinstance(saved_outer, dict):  # written before feedback_decay / value_bits existed: their defaults
-            saved_outer = {"feedback_decay": 1.0, "value_bits": None, **saved_outer}
+        if isinstance(saved_outer, dict):  # written before feedback_decay / value_bits / value_group: their defaults
+            saved_outer = {"feedback_decay": 1.0, "value_bits": None, "value_group": None, **saved_outer}
         saved = {"sync_every": block.get("sync_every"), "outer": saved_outer}
         mine = {"sync_every": self.sync_every, "outer": self.outer.config()}
         if saved != mine:

@@ -4,7 +4,9 @@ A sparse pseudo-gradient at 5% density with float32 values and int16 fiber-local
 per kept entry; the indices then weigh as much as the values. This module shrinks both:
 
 - **Values, ``bits`` per entry** (1 sign bit + ``bits - 1`` level bits). The entries are cut into *groups*
-  (one group per fiber for ADTopk: its ``k`` entries; the whole payload for a flat rule such as Top-k). In a
+  (one group per fiber for ADTopk: its ``k`` entries; with ``value_group=n``, the fewest consecutive whole
+  fibers that hold at least ``n`` entries and divide the fiber count; the whole payload for a flat rule such as
+  Top-k). In a
   group the magnitudes are ranked and split into ``L = 2 ** (bits - 1)`` bins of equal count; each bin sends
   one level, the mean magnitude of its entries, as a bfloat16. An entry travels as its sign and its bin:
   ``value = +-level[group, bin]``. With 2 bits a fiber sends its larger and its smaller half as two
@@ -43,6 +45,29 @@ def check_value_bits(value_bits):
         raise ValueError(f"value_bits must be None (values travel in the compressor's value dtype) or an int in "
                          f"1..8 (1 sign bit + value_bits - 1 bits of magnitude level), got {value_bits!r}")
     return int(value_bits)
+
+
+def check_value_group(value_group, value_bits):
+    """``None`` (one set of levels per fiber) or an int >= 1, and only with ``value_bits``."""
+    if value_group is None:
+        return None
+    if isinstance(value_group, bool) or not isinstance(value_group, numbers.Integral) or value_group < 1:
+        raise ValueError(f"value_group must be None (one set of levels per fiber) or an int >= 1 (the least number "
+                         f"of kept entries that share one set of levels), got {value_group!r}")
+    if value_bits is None:
+        raise ValueError(f"value_group={value_group} groups the levels of low-bit values; set value_bits too "
+                         "(e.g. value_bits=2), or leave value_group=None")
+    return int(value_group)
+
+
+def fibers_per_group(fibers: int, k: int, value_group) -> int:
+    """The fewest whole fibers (a divisor of ``fibers``) whose ``k`` entries each add up to ``value_group``."""
+    if not value_group or fibers <= 1 or k >= value_group:
+        return 1
+    for d in range(1, fibers + 1):
+        if fibers % d == 0 and d * k >= value_group:
+            return d
+    return fibers
 
 
 def width_for(max_index: int) -> int:
@@ -146,11 +171,14 @@ class QuantizedWire:
         self.block_bytes = -(-used // ALIGN) * ALIGN
 
     @classmethod
-    def for_codec(cls, bits: int, codec, numel: int) -> "QuantizedWire":
-        """The format for a fixed-size codec: groups are fibers for fiber-local indices, else the payload."""
+    def for_codec(cls, bits: int, codec, numel: int, value_group=None) -> "QuantizedWire":
+        """The format for a fixed-size codec: groups are fibers (or runs of whole fibers, at least
+        ``value_group`` entries) for fiber-local indices, else the payload."""
         layout = getattr(codec, "layout", None)
         if layout is not None:
-            return cls(bits, codec.count, max(layout.k, 1), layout.fiber_len - 1)
+            k = max(layout.k, 1)
+            per = fibers_per_group(codec.count // k, k, value_group)
+            return cls(bits, codec.count, k * per, layout.fiber_len - 1)
         return cls(bits, codec.count, max(codec.count, 1), max(numel - 1, 0))
 
     def _quantize(self, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,4 +249,4 @@ def bytes_per_entry(bits: int, group: int, max_index: int) -> float:
 
 
 __all__ = ["QuantizedWire", "VALUE_BITS", "bitpack", "bitunpack", "bytes_per_entry", "check_value_bits",
-           "width_for"]
+           "check_value_group", "fibers_per_group", "width_for"]

@@ -50,9 +50,10 @@ def compression_of(case):
 
 def outer_of(case):
     o = case["outer"]
-    decay, bits = o.get("feedback_decay", 1.0), o.get("value_bits")
-    return (hat.Outer.nesterov(o["lr"], o["momentum"], feedback_decay=decay, value_bits=bits) if o.get("nesterov")
-            else hat.Outer.sgd(o["lr"], feedback_decay=decay, value_bits=bits))
+    low_bit = {"feedback_decay": o.get("feedback_decay", 1.0), "value_bits": o.get("value_bits"),
+               "value_group": o.get("value_group")}
+    return (hat.Outer.nesterov(o["lr"], o["momentum"], **low_bit) if o.get("nesterov")
+            else hat.Outer.sgd(o["lr"], **low_bit))
 
 
 def _params(model) -> dict:

@@ -75,18 +75,24 @@ def quantize_group(v: np.ndarray, bits: int) -> np.ndarray:
     return np.where(np.signbit(v.astype(np.float32)), -carried, carried)
 
 
-def quantize_sparse(a: np.ndarray, mask: np.ndarray, bits: int, fiber_axis=None) -> np.ndarray:
+def quantize_sparse(a: np.ndarray, mask: np.ndarray, bits: int, fiber_axis=None, value_group=None) -> np.ndarray:
     """What a quantized sparse payload carries, as a dense array: ``a`` at ``mask`` quantized per group, zeros
     elsewhere. Groups: each fiber of ``a.reshape(d0, -1)`` (``fiber_axis`` 1: rows, 0: columns), or, with
-    ``fiber_axis=None``, every kept entry together (flat rules)."""
+    ``fiber_axis=None``, every kept entry together (flat rules). ``value_group=n``: the group is the smallest run
+    of consecutive fibers, its length dividing the number of fibers, that keeps at least ``n`` entries."""
     m, keep = a.reshape(a.shape[0], -1), mask.reshape(a.shape[0], -1)
     out = np.zeros_like(m, dtype=np.float64)
     if fiber_axis is None:
         out[keep] = quantize_group(m[keep], bits)
         return out.reshape(a.shape)
     mt, kt, ot = (m, keep, out) if fiber_axis == 1 else (m.T, keep.T, out.T)
-    for i in range(mt.shape[0]):
-        ot[i, kt[i]] = quantize_group(mt[i, kt[i]], bits)
+    fibers, k = mt.shape[0], int(kt[0].sum())
+    run = next(d for d in range(1, fibers + 1) if fibers % d == 0 and (d * k >= (value_group or 1) or d == fibers))
+    for start in range(0, fibers, run):
+        rows = range(start, start + run)
+        carried = quantize_group(np.concatenate([mt[i, kt[i]] for i in rows]), bits)
+        for j, i in enumerate(rows):
+            ot[i, kt[i]] = carried[j * k:(j + 1) * k]
     return out.reshape(a.shape)
 
 

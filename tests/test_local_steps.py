@@ -49,6 +49,10 @@ CASES = [
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 3}},
     {"name": "topk_1bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "compressor": "topk", "kwargs": {"ratio": 0.1, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 1}},
+    # levels shared by runs of whole fibers: 24 column fibers keep 4 each, value_group 10 -> runs of 3 fibers
+    {"name": "adtopk_2bit_grouped_cols", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 0, **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2, "value_group": 10}},
 ]
 
 
@@ -105,8 +109,12 @@ def numpy_local_steps(case, initial, world):
                         mine[n] = np.where(mask, a, 0.0)
                         if o.get("value_bits"):  # carried values, the rest stays in e (module docstring)
                             axis = case["kwargs"].get("axis") if case["compressor"] == "adtopk" else None
-                            mine[n] = ref.quantize_sparse(a, mask, o["value_bits"], axis)
+                            mine[n] = ref.quantize_sparse(a, mask, o["value_bits"], axis, o.get("value_group"))
                         resid[r][n] = a - mine[n]
+                elif o.get("value_bits"):  # always-dense tensors then travel as bfloat16, the rounding in e
+                    a = delta + o.get("feedback_decay", 1.0) * resid[r].get(n, 0.0)
+                    mine[n] = ref.round_bf16(a)
+                    resid[r][n] = a - mine[n]
                 else:
                     mine[n] = delta
             sent.append(mine)
@@ -161,11 +169,29 @@ def check_reference(results, world):
         dense = 4 * (IN * OUT + OUT) * case["steps"]
         assert stats["bytes_dense"] == dense and stats["steps"] == case["steps"] and stats["round"] == case["steps"] // H
         assert 0 < stats["bytes_sent"] < dense
+        if case["outer"].get("value_bits") and case["compressor"] == "adtopk":
+            assert stats["bytes_sent"] == low_bit_bytes(case), case["name"]
         mem = per_rank[0]["memory_bytes"]
         numel = IN * OUT + OUT
         assert mem["outer_params"] == 8 * numel
         assert mem["outer_momentum"] == (8 * numel if case["outer"]["momentum"] > 0 else 0)
-        assert mem["residuals"] == (8 * IN * OUT if "compressor" in case else 0)
+        bf16_bias = OUT if case["outer"].get("value_bits") else 0  # the bias's bfloat16 rounding is kept too
+        assert mem["residuals"] == (8 * (IN * OUT + bf16_bias) if "compressor" in case else 0)
+
+
+def low_bit_bytes(case) -> int:
+    """What a rank hands to the collectives over the run with ADTopk and ``value_bits`` (module docstring of
+    horovod_adtopk.quantize): per sync the weight's block (levels per run of fibers, packed codes, packed
+    indices, padded to 8 bytes), the model's float64 during the warm-up syncs, and the bias as bfloat16."""
+    o, kw = case["outer"], case["kwargs"]
+    bits = o["value_bits"]
+    fibers, fiber_len = (OUT, IN) if kw["axis"] == 1 else (IN, OUT)
+    k = int(np.floor(kw["ratio"] * fiber_len))
+    run = next(d for d in range(1, fibers + 1) if fibers % d == 0 and (d * k >= (o.get("value_group") or 1)))
+    count, width = fibers * k, int(np.ceil(np.log2(fiber_len)))
+    used = (fibers // run) * 2 ** (bits - 1) * 2 + -(-count * bits // 8) + -(-count * width // 8)
+    syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)
+    return (syncs - warm) * (-(-used // 8) * 8) + warm * 8 * IN * OUT + syncs * 2 * OUT
 
 
 def run_ddp(worker: str, np_: int, args: dict, timeout: float = 180.0) -> list:
@@ -277,15 +303,15 @@ def test_job_flags():
     assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
     kw = make_local_steps(args)
     assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                                               "feedback_decay": 1.0, "value_bits": None}
+                                                               "feedback_decay": 1.0, "value_bits": None, "value_group": None}
     args = options.parse_args(["--compressor", "none", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 1.0, "value_bits": None}
+                                                        "feedback_decay": 1.0, "value_bits": None, "value_group": None}
     assert "sync every 5 steps, outer SGD lr 1.0" in options.describe_compression(args)
     args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
                                "0", "--outer-feedback-decay", "0.95"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 0.95, "value_bits": None}
+                                                        "feedback_decay": 0.95, "value_bits": None, "value_group": None}
     assert "error feedback decayed by 0.95 per sync" in options.describe_compression(args)
     # AdamW's per-step default (error feedback on the update) is local steps with H = 1: the decay applies there too
     args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--compressor", "topk",
@@ -390,6 +416,32 @@ def test_value_bits_settings():
         with pytest.raises(ValueError, match="quantizes the values of a sparse outer exchange"):
             local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), dense)
     local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), hat.Compression.topk(ratio=0.1))
+    assert hat.Outer.sgd(1.0, value_bits=2, value_group=64).config()["value_group"] == 64
+    for bad in (0, -1, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="value_group must be None"):
+            hat.Outer.sgd(1.0, value_bits=2, value_group=bad)
+    with pytest.raises(ValueError, match="set value_bits too"):
+        hat.Outer.nesterov(value_group=64)
+
+
+def test_value_group_runs_of_whole_fibers():
+    """``value_group``: the fewest whole fibers, a divisor of their number, that keep at least n entries share
+    one set of levels; a flat rule (Top-k) keeps one group for its payload."""
+    import torch
+    import horovod_adtopk as hat
+    from horovod_adtopk.compressors import TensorInfo
+    from horovod_adtopk.quantize import QuantizedWire, fibers_per_group
+
+    assert [fibers_per_group(24, 4, g) for g in (None, 1, 4, 5, 10, 12, 13, 50, 97)] == [1, 1, 1, 2, 3, 3, 4, 24, 24]
+    assert fibers_per_group(7, 3, 10) == 7  # a prime number of fibers: the whole tensor
+    c = hat.Compression.adtopk(ratio=0.05, axis=1)
+    info = TensorInfo("w", (384, 128), 384 * 128, torch.float32)
+    codec = c.codec(info, 10 ** 6)  # 384 row fibers of 128, k = 6
+    for group, run in ((None, 1), (64, 12), (6, 1), (7, 2)):
+        wire = QuantizedWire.for_codec(2, codec, info.numel, group)
+        assert wire.group == 6 * run and wire.groups == 384 // run, group
+    from horovod_adtopk.compressors.base import FlatCodec
+    assert QuantizedWire.for_codec(2, FlatCodec(info.numel, 2457), info.numel, 64).groups == 1
 
 
 def test_value_bits_job_flag():
@@ -400,13 +452,19 @@ def test_value_bits_job_flag():
     args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10", "--outer-lr", "1",
                                "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 0.95, "value_bits": 2}
+                                                        "feedback_decay": 0.95, "value_bits": 2, "value_group": None}
     assert "2-bit values and bit-packed indices" in options.describe_compression(args)
+    args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
+                               "0", "--outer-value-bits", "2", "--outer-value-group", "64"])
+    assert make_local_steps(args)["outer"].config()["value_group"] == 64
+    assert "levels shared by at least 64 entries" in options.describe_compression(args)
     for argv in (["--compressor", "adtopk", "--outer-value-bits", "2"],
                  ["--compressor", "none", "--sync-every", "4", "--outer-value-bits", "2"],
                  ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "0"],
                  ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "9"],
-                 ["--compressor", "threshold", "--threshold", "0.1", "--sync-every", "4", "--outer-value-bits", "2"]):
+                 ["--compressor", "threshold", "--threshold", "0.1", "--sync-every", "4", "--outer-value-bits", "2"],
+                 ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-group", "64"],
+                 ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "2", "--outer-value-group", "0"]):
         with pytest.raises(SystemExit) as exc:
             options.parse_args(argv)
         assert exc.value.code == 2, argv

@@ -24,13 +24,14 @@ def make_compression(args: argparse.Namespace):
 
 def make_local_steps(args: argparse.Namespace) -> dict:
     """The local-steps keywords of --sync-every / --outer-lr / --outer-momentum / --outer-feedback-decay /
-    --outer-value-bits ({} when off)."""
+    --outer-value-bits / --outer-value-group ({} when off)."""
     if not getattr(args, "sync_every", 0):
         return {}
     decay = getattr(args, "outer_feedback_decay", 1.0)
-    bits = getattr(args, "outer_value_bits", None)
-    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum, feedback_decay=decay, value_bits=bits)
-             if args.outer_momentum else hat.Outer.sgd(lr=args.outer_lr, feedback_decay=decay, value_bits=bits))
+    low_bit = {"value_bits": getattr(args, "outer_value_bits", None),
+               "value_group": getattr(args, "outer_value_group", None)}
+    outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum, feedback_decay=decay, **low_bit)
+             if args.outer_momentum else hat.Outer.sgd(lr=args.outer_lr, feedback_decay=decay, **low_bit))
     return {"sync_every": args.sync_every, "outer": outer}
 
 

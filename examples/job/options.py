@@ -70,6 +70,10 @@ def _add_local_steps_flags(p: argparse.ArgumentParser) -> None:
                    help="a sparse pseudo-gradient's values travel as this many bits each (1 sign bit, the rest a "
                         "magnitude level per fiber) and its indices bit-packed (SparseLoCo uses 2); what the codes "
                         "do not carry stays in the error-feedback memory (default: the compressor's value dtype)")
+    g.add_argument("--outer-value-group", type=int, default=None, metavar="N",
+                   help="with --outer-value-bits: whole fibers share one set of magnitude levels until a set serves "
+                        "at least N kept entries (short fibers keep few entries, and their levels would cost more "
+                        "than their codes; default: one set per fiber)")
 
 
 def _resolve_local_steps(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -246,6 +250,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_compression(p, args)
     _resolve_feedback(p, args)
     _resolve_feedback_decay(p, args)
+    _resolve_value_group(p, args)
     _resolve_value_bits(p, args)
     _check_elastic(p, args)
     return args
@@ -360,6 +365,14 @@ def _resolve_value_bits(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not is_sparse_rule(args.compressor) or args.threshold is not None:
         p.error("--outer-value-bits quantizes a sparse pseudo-gradient; use it with --compressor adtopk, adtopk_i "
                 "or topk (for a dense exchange in half the bytes use --compressor fp16)")
+    group = getattr(args, "outer_value_group", None)
+    if group is not None and group < 1:
+        p.error(f"--outer-value-group must be >= 1 (kept entries per set of levels), got {group}")
+
+
+def _resolve_value_group(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if getattr(args, "outer_value_group", None) is not None and getattr(args, "outer_value_bits", None) is None:
+        p.error("--outer-value-group groups the levels of low-bit values; add --outer-value-bits B (e.g. 2)")
 
 
 def is_sparse_rule(compressor: str) -> bool:
@@ -445,6 +458,8 @@ def describe_compression(args: argparse.Namespace) -> str:
             outer += f", error feedback decayed by {args.outer_feedback_decay} per sync"
         if getattr(args, "outer_value_bits", None) is not None:
             outer += f", {args.outer_value_bits}-bit values and bit-packed indices"
+            if getattr(args, "outer_value_group", None) is not None:
+                outer += f" (levels shared by at least {args.outer_value_group} entries)"
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
         if args.outer_momentum and args.optimizer == "sgd" and args.momentum:
             # BENCHMARKS 3f: on the CNN, H = 10 diverged on one seed of two (both with a sparse pseudo-gradient)
