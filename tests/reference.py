@@ -75,6 +75,11 @@ def quantize_group(v: np.ndarray, bits: int) -> np.ndarray:
     return np.where(np.signbit(v.astype(np.float32)), -carried, carried)
 
 
+def fiber_run(fibers: int, k: int, value_group=None) -> int:
+    """Fibers per set of levels: the smallest divisor of ``fibers`` whose fibers keep ``value_group`` entries."""
+    return next(d for d in range(1, fibers + 1) if fibers % d == 0 and (d * k >= (value_group or 1) or d == fibers))
+
+
 def quantize_sparse(a: np.ndarray, mask: np.ndarray, bits: int, fiber_axis=None, value_group=None) -> np.ndarray:
     """What a quantized sparse payload carries, as a dense array: ``a`` at ``mask`` quantized per group, zeros
     elsewhere. Groups: each fiber of ``a.reshape(d0, -1)`` (``fiber_axis`` 1: rows, 0: columns), or, with
@@ -87,7 +92,7 @@ def quantize_sparse(a: np.ndarray, mask: np.ndarray, bits: int, fiber_axis=None,
         return out.reshape(a.shape)
     mt, kt, ot = (m, keep, out) if fiber_axis == 1 else (m.T, keep.T, out.T)
     fibers, k = mt.shape[0], int(kt[0].sum())
-    run = next(d for d in range(1, fibers + 1) if fibers % d == 0 and (d * k >= (value_group or 1) or d == fibers))
+    run = fiber_run(fibers, k, value_group)
     for start in range(0, fibers, run):
         rows = range(start, start + run)
         carried = quantize_group(np.concatenate([mt[i, kt[i]] for i in rows]), bits)

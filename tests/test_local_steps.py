@@ -187,7 +187,7 @@ def low_bit_bytes(case) -> int:
     bits = o["value_bits"]
     fibers, fiber_len = (OUT, IN) if kw["axis"] == 1 else (IN, OUT)
     k = int(np.floor(kw["ratio"] * fiber_len))
-    run = next(d for d in range(1, fibers + 1) if fibers % d == 0 and (d * k >= (o.get("value_group") or 1)))
+    run = ref.fiber_run(fibers, k, o.get("value_group"))
     count, width = fibers * k, int(np.ceil(np.log2(fiber_len)))
     used = (fibers // run) * 2 ** (bits - 1) * 2 + -(-count * bits // 8) + -(-count * width // 8)
     syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)

@@ -250,7 +250,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _resolve_compression(p, args)
     _resolve_feedback(p, args)
     _resolve_feedback_decay(p, args)
-    _resolve_value_group(p, args)
     _resolve_value_bits(p, args)
     _check_elastic(p, args)
     return args
@@ -357,22 +356,19 @@ def _resolve_feedback_decay(p: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _resolve_value_bits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--outer-value-bits quantizes the sparse payload of a local-steps sync."""
+    """--outer-value-bits quantizes the sparse payload of a local-steps sync; --outer-value-group groups its levels."""
+    group = getattr(args, "outer_value_group", None)
     if getattr(args, "outer_value_bits", None) is None:
+        if group is not None:
+            p.error("--outer-value-group groups the levels of low-bit values; add --outer-value-bits B (e.g. 2)")
         return
     if not args.sync_every:
         p.error("--outer-value-bits applies to the outer exchange of local steps; add --sync-every H")
     if not is_sparse_rule(args.compressor) or args.threshold is not None:
         p.error("--outer-value-bits quantizes a sparse pseudo-gradient; use it with --compressor adtopk, adtopk_i "
                 "or topk (for a dense exchange in half the bytes use --compressor fp16)")
-    group = getattr(args, "outer_value_group", None)
     if group is not None and group < 1:
         p.error(f"--outer-value-group must be >= 1 (kept entries per set of levels), got {group}")
-
-
-def _resolve_value_group(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if getattr(args, "outer_value_group", None) is not None and getattr(args, "outer_value_bits", None) is None:
-        p.error("--outer-value-group groups the levels of low-bit values; add --outer-value-bits B (e.g. 2)")
 
 
 def is_sparse_rule(compressor: str) -> bool:
