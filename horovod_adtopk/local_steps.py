@@ -140,13 +140,15 @@ def check_settings(sync_every, outer, compression) -> None:
     if not isinstance(outer, Outer):
         raise TypeError(f"outer must be a horovod_adtopk.Outer, e.g. hat.Outer.nesterov(lr=0.7, momentum=0.9), "
                         f"got {outer!r}")
-    if outer.feedback_decay != 1.0 and not (is_sparse(compression) and compression.error_feedback):
+    low_bit_dense = outer.value_bits is not None and is_plain(compression)
+    if outer.feedback_decay != 1.0 and not (is_sparse(compression) and compression.error_feedback) and not low_bit_dense:
         raise ValueError(f"feedback_decay={outer.feedback_decay} decays the error-feedback memory of a sparse "
-                         f"compressor, and {compression!r} keeps none; use adtopk or topk, or feedback_decay=1")
-    if outer.value_bits is not None and not is_sparse(compression):
-        raise ValueError(f"value_bits={outer.value_bits} quantizes the values of a sparse outer exchange, and "
-                         f"{compression!r} is dense; use adtopk or topk, or value_bits=None (for a dense exchange "
-                         "in half the bytes use Compression.fp16)")
+                         f"compressor or of low-bit values, and {compression!r} keeps none; use adtopk or topk, "
+                         "value_bits with Compression.none, or feedback_decay=1")
+    if outer.value_bits is not None and not is_sparse(compression) and not low_bit_dense:
+        raise ValueError(f"value_bits={outer.value_bits} quantizes the values of the outer exchange, and "
+                         f"{compression!r} already sets its own; use value_bits with adtopk, topk or Compression.none "
+                         "(every entry as a low-bit code), or value_bits=None")
     if is_sparse(compression):
         if hasattr(compression, "make_exchange") or not compression.gathers:
             raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
@@ -154,6 +156,11 @@ def check_settings(sync_every, outer, compression) -> None:
         if compression.variable_count:
             raise ValueError(f"{compression!r} sends a variable number of entries, which the outer exchange does "
                              "not carry; with sync_every use a fixed-size rule: adtopk, adtopk_i or topk")
+
+
+def is_plain(compression) -> bool:
+    """A dense exchange in the tensors' own dtype: None or Horovod's ``Compression.none``."""
+    return compression is None or getattr(compression, "__name__", None) == "NoneCompressor"
 
 
 class LocalSteps:
@@ -178,7 +185,12 @@ class LocalSteps:
         self.compression = compression
         self.sparse = is_sparse(compression)
         self.dense_compression = None if self.sparse else compression
-        self.memory = ErrorFeedback(compression.momentum) if self.sparse and compression.error_feedback else None
+        # the dense low-bit exchange (value_bits with Compression.none): every entry as a b-bit code, the rest in e_r
+        self.low_bit_dense = outer.value_bits is not None and not self.sparse
+        if self.sparse and compression.error_feedback:
+            self.memory: Optional[ErrorFeedback] = ErrorFeedback(compression.momentum)
+        else:
+            self.memory = ErrorFeedback() if self.low_bit_dense else None
         self.sparsifier = Sparsifier(compression, self.memory) if self.sparse else None
         self.infos = {n: TensorInfo(n, tuple(p.shape), p.numel(), p.dtype) for n, p in self.params}
         self.stats = Stats()
@@ -195,7 +207,11 @@ class LocalSteps:
         """Each tensor's path, by the compressor's per-step rule at the current world size."""
         world = self.comm.size()
         for name, info in self.infos.items():
-            sparse, reason = self.compression.choose_path(info, world) if self.sparse else (False, "dense compressor")
+            if self.sparse:
+                sparse, reason = self.compression.choose_path(info, world)
+            else:
+                sparse = False
+                reason = f"dense, {self.outer.value_bits}-bit values" if self.low_bit_dense else "dense compressor"
             self.sparse_path[name] = sparse
             self.stats.set_path(name, info.numel, sparse, reason)
 
@@ -245,7 +261,8 @@ class LocalSteps:
         dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
         sparse: List[Tuple[str, object]] = []  # (name, selection)
         halves: List[Tuple[str, torch.Tensor]] = []  # (name, delta): always-dense tensors in bfloat16
-        low_bit_dense = self.outer.value_bits is not None and world > 1 and active == world
+        codes: List[Tuple[str, torch.Tensor]] = []  # (name, delta): every entry as a low-bit code
+        low_bit = self.outer.value_bits is not None and world > 1 and active == world
         with torch.no_grad():
             for name, p in self.params:
                 delta = self.theta[name] - p.detach()
@@ -253,7 +270,10 @@ class LocalSteps:
                 if self.sparse_path[name] and not dense_round:
                     sparse.append((name, self.sparsifier.select(delta, info, self.syncs)))
                     continue
-                if low_bit_dense and not self.sparse_path[name]:
+                if low_bit and self.low_bit_dense and not dense_round:
+                    codes.append((name, delta))
+                    continue
+                if low_bit and self.sparse and not self.sparse_path[name]:
                     halves.append((name, delta))
                     continue
                 released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
@@ -265,6 +285,8 @@ class LocalSteps:
             averages = self._exchange(dense, sparse, world, active)
             if halves:
                 averages.update(self._exchange_bf16(halves, world))
+            if codes:
+                averages.update(self._exchange_low_bit_dense(codes, world))
             for name, p in self.params:
                 theta, avg = self.theta[name], averages[name]
                 buf = None
@@ -337,6 +359,33 @@ class LocalSteps:
             sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
                               [wire.count] * world, s.codec, 1.0 / world)
             out[name] = avg.view(info.shape)
+
+    def _exchange_low_bit_dense(self, codes, world: int) -> Dict[str, torch.Tensor]:
+        """``value_bits`` with a dense compressor: every entry of ``a = delta + beta e`` travels as a b-bit code
+        (sign and magnitude bin, :meth:`horovod_adtopk.quantize.QuantizedWire.dense`: levels per row or per
+        ``value_group`` entries, no indices); ``e <- a - carried``; every rank's block is decoded and summed in
+        rank order in the tensor's dtype."""
+        wires, blocks = [], []
+        for name, delta in codes:
+            info = self.infos[name]
+            a = self.memory.compensate(name, delta)
+            wire = QuantizedWire.dense(self.outer.value_bits, info.shape, self.outer.value_group)
+            block, carried = wire.encode(a.reshape(-1))
+            a.sub_(carried.to(a.dtype).view(a.shape))
+            wires.append(wire)
+            blocks.append(block)
+        gathered = self.comm.gather_tensors(blocks, [f"hat.outer.codes.{n}" for n, _ in codes])
+        out = {}
+        for (name, _), wire, block, got in zip(codes, wires, blocks, gathered):
+            info = self.infos[name]
+            for store in (self.stats.tensors[name], self.stats):
+                store.bytes_sent += block.numel()
+                store.elements_sent += info.numel
+            total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
+            for values, _ in wire.decode(got.contiguous().view(-1), world):
+                total += values.to(info.dtype)
+            out[name] = total.mul_(1.0 / world).view(info.shape)
+        return out
 
     def _exchange_bf16(self, halves, world: int) -> Dict[str, torch.Tensor]:
         """With ``value_bits``, the tensors that always travel dense (1-D, small ones) do so as bfloat16: every

@@ -25,9 +25,10 @@ same bits on every rank.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import sys
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -154,16 +155,18 @@ class QuantizedWire:
         bits: bits per value (1..8).
         count: entries per rank (the compressor's fixed count).
         group: entries per group (``count`` must be a multiple; ADTopk: ``k`` per fiber).
-        max_index: the largest wire index (fiber length - 1, or numel - 1 for flat indices).
+        max_index: the largest wire index (fiber length - 1, or numel - 1 for flat indices); None for a dense
+            block (every entry in order, no indices: :meth:`dense`).
     """
 
-    def __init__(self, bits: int, count: int, group: int, max_index: int) -> None:
+    def __init__(self, bits: int, count: int, group: int, max_index: Optional[int]) -> None:
         if group < 1 or count % group:
             raise ValueError(f"count {count} is not a whole number of groups of {group}")
         self.bits, self.count, self.group = check_value_bits(bits), int(count), int(group)
         self.groups = self.count // self.group
         self.levels = 2 ** (self.bits - 1)
-        self.index_bits = width_for(max_index)
+        self.indexed = max_index is not None
+        self.index_bits = width_for(max_index) if self.indexed else 0
         self.level_bytes = self.groups * self.levels * 2
         self.code_bytes = packed_bytes(self.count, self.bits)
         self.index_bytes = packed_bytes(self.count, self.index_bits)
@@ -180,6 +183,18 @@ class QuantizedWire:
             per = fibers_per_group(codec.count // k, k, value_group)
             return cls(bits, codec.count, k * per, layout.fiber_len - 1)
         return cls(bits, codec.count, max(codec.count, 1), max(numel - 1, 0))
+
+    @classmethod
+    def dense(cls, bits: int, shape, value_group=None) -> "QuantizedWire":
+        """The format of a whole tensor, every entry in order and no indices (a dense low-bit outer exchange):
+        groups are its rows (dim 0; a 1-D tensor is one row), or runs of whole rows that hold at least
+        ``value_group`` entries."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return cls(bits, 0, 1, None)
+        rows = int(shape[0]) if len(shape) >= 2 else 1
+        row = numel // rows
+        return cls(bits, numel, row * fibers_per_group(rows, row, value_group), None)
 
     def _quantize(self, values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes int64 [n], levels bfloat16 [G, L], carried float32 [n])."""
@@ -203,10 +218,14 @@ class QuantizedWire:
         carried = torch.where(negative.bool(), -carried, carried)
         return codes.reshape(-1), levels, carried.reshape(-1)
 
-    def encode(self, values: torch.Tensor, index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This rank's block and the values it carries (float32, in ``values``' order)."""
-        if values.numel() != self.count or index.numel() != self.count:
-            raise ValueError(f"expected {self.count} values and indices, got {values.numel()} and {index.numel()}")
+    def encode(self, values: torch.Tensor, index: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's block and the values it carries (float32, in ``values``' order); ``index`` None for a
+        dense block."""
+        if self.indexed != (index is not None):
+            raise ValueError("an indexed block needs the indices, a dense one (QuantizedWire.dense) takes none")
+        if values.numel() != self.count or (index is not None and index.numel() != self.count):
+            raise ValueError(f"expected {self.count} values and indices, got {values.numel()} and "
+                             f"{None if index is None else index.numel()}")
         block = torch.zeros(self.block_bytes, dtype=torch.uint8, device=values.device)
         if self.count == 0:
             return block, values.detach().to(torch.float32)
@@ -214,11 +233,13 @@ class QuantizedWire:
         a, b = self.level_bytes, self.level_bytes + self.code_bytes
         block[:a].view(torch.bfloat16).copy_(levels.reshape(-1))
         block[a:b].copy_(bitpack(codes, self.bits))
-        block[b:b + self.index_bytes].copy_(bitpack(index.reshape(-1), self.index_bits))
+        if self.indexed:
+            block[b:b + self.index_bytes].copy_(bitpack(index.reshape(-1), self.index_bits))
         return block, carried
 
     def decode(self, gathered: torch.Tensor, world: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Every rank's ``(values float32, wire indices int64)``, rank order, from the allgathered blocks."""
+        """Every rank's ``(values float32, wire indices int64)``, rank order, from the allgathered blocks (the
+        indices None for a dense block)."""
         if gathered.numel() != world * self.block_bytes:
             raise ValueError(f"gathered payload has {gathered.numel()} bytes, but {world} blocks of "
                              f"{self.block_bytes} were expected: ranks disagree on the outer wire format")
@@ -228,14 +249,15 @@ class QuantizedWire:
             block = gathered[r * self.block_bytes:(r + 1) * self.block_bytes]
             if self.count == 0:
                 out.append((torch.empty(0, dtype=torch.float32, device=gathered.device),
-                            torch.empty(0, dtype=torch.int64, device=gathered.device)))
+                            torch.empty(0, dtype=torch.int64, device=gathered.device) if self.indexed else None))
                 continue
             levels = block[:a].view(torch.bfloat16).to(torch.float32).view(self.groups, self.levels)
             codes = bitunpack(block[a:b], self.count, self.bits).view(self.groups, self.group)
             bins = codes & (self.levels - 1)
             vals = torch.gather(levels, 1, bins)
             vals = torch.where((codes >> (self.bits - 1)).bool(), -vals, vals).reshape(-1)
-            out.append((vals, bitunpack(block[b:b + self.index_bytes], self.count, self.index_bits)))
+            index = bitunpack(block[b:b + self.index_bytes], self.count, self.index_bits) if self.indexed else None
+            out.append((vals, index))
         return out
 
     def describe(self) -> dict:

@@ -53,6 +53,12 @@ CASES = [
     {"name": "adtopk_2bit_grouped_cols", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 0, **SPARSE_KW},
      "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2, "value_group": 10}},
+    # dense low-bit: every entry as a code (Compression.none + value_bits), levels per row / per run of rows
+    {"name": "dense_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2}},
+    {"name": "dense_1bit_grouped_nesterov_decay", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
+     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 1,
+               "value_group": 48}},
 ]
 
 
@@ -100,7 +106,17 @@ def numpy_local_steps(case, initial, world):
             mine = {}
             for n in theta:
                 delta = theta[n] - w[r][n]
-                if sparse_kind and delta.ndim == 2:  # 1-D tensors travel dense (no residual)
+                if not sparse_kind and o.get("value_bits"):  # every entry as a code: levels per row (run of rows)
+                    a = delta + o.get("feedback_decay", 1.0) * resid[r].get(n, 0.0)
+                    if syncs < case.get("warmup", 0):
+                        mine[n] = a
+                    elif delta.ndim == 2:
+                        mine[n] = ref.quantize_sparse(a, np.ones(a.shape, bool), o["value_bits"], 1,
+                                                      o.get("value_group"))
+                    else:
+                        mine[n] = ref.quantize_group(a, o["value_bits"])
+                    resid[r][n] = a - mine[n]
+                elif sparse_kind and delta.ndim == 2:  # 1-D tensors travel dense (no residual)
                     a = delta + o.get("feedback_decay", 1.0) * resid[r].get(n, 0.0)
                     if syncs < case.get("warmup", 0):
                         mine[n], resid[r][n] = a, np.zeros_like(a)
@@ -169,14 +185,17 @@ def check_reference(results, world):
         dense = 4 * (IN * OUT + OUT) * case["steps"]
         assert stats["bytes_dense"] == dense and stats["steps"] == case["steps"] and stats["round"] == case["steps"] // H
         assert 0 < stats["bytes_sent"] < dense
-        if case["outer"].get("value_bits") and case["compressor"] == "adtopk":
+        if case["outer"].get("value_bits") and case.get("compressor") == "adtopk":
             assert stats["bytes_sent"] == low_bit_bytes(case), case["name"]
+        if case["outer"].get("value_bits") and "compressor" not in case:
+            assert stats["bytes_sent"] == low_bit_dense_bytes(case), case["name"]
         mem = per_rank[0]["memory_bytes"]
         numel = IN * OUT + OUT
         assert mem["outer_params"] == 8 * numel
         assert mem["outer_momentum"] == (8 * numel if case["outer"]["momentum"] > 0 else 0)
         bf16_bias = OUT if case["outer"].get("value_bits") else 0  # the bias's bfloat16 rounding is kept too
-        assert mem["residuals"] == (8 * (IN * OUT + bf16_bias) if "compressor" in case else 0)
+        low_bit_dense = "compressor" not in case and case["outer"].get("value_bits")
+        assert mem["residuals"] == (8 * (IN * OUT + bf16_bias) if "compressor" in case or low_bit_dense else 0)
 
 
 def low_bit_bytes(case) -> int:
@@ -192,6 +211,19 @@ def low_bit_bytes(case) -> int:
     used = (fibers // run) * 2 ** (bits - 1) * 2 + -(-count * bits // 8) + -(-count * width // 8)
     syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)
     return (syncs - warm) * (-(-used // 8) * 8) + warm * 8 * IN * OUT + syncs * 2 * OUT
+
+
+def low_bit_dense_bytes(case) -> int:
+    """The same for a dense low-bit exchange: per sync the weight's block (levels per run of rows, packed codes)
+    and the bias's (one set of levels), each padded to 8 bytes; the model's float64 during the warm-up syncs."""
+    o = case["outer"]
+    bits = o["value_bits"]
+    pad = lambda n: -(-n // 8) * 8  # noqa: E731
+    run = ref.fiber_run(OUT, IN, o.get("value_group"))
+    weight = pad((OUT // run) * 2 ** (bits - 1) * 2 + -(-IN * OUT * bits // 8))
+    bias = pad(2 ** (bits - 1) * 2 + -(-OUT * bits // 8))
+    syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)
+    return (syncs - warm) * (weight + bias) + warm * 8 * (IN * OUT + OUT)
 
 
 def run_ddp(worker: str, np_: int, args: dict, timeout: float = 180.0) -> list:
@@ -403,6 +435,41 @@ def test_quantized_wire_matches_reference(bits, dtype):
         wire.decode(torch.cat(blocks[:2])[:-8], 2)
 
 
+@pytest.mark.parametrize("shape,group,levels", [((16, 24), None, 16), ((16, 24), 48, 8), ((16, 24), 1000, 1),
+                                                  ((40,), 8, 1), ((3, 2, 5), None, 3), ((0, 4), None, 0)])
+def test_dense_wire_matches_reference(shape, group, levels):
+    """QuantizedWire.dense (value_bits with Compression.none): every entry in order, no indices, levels per row of
+    the tensor's ``[d0, -1]`` view or per run of rows (1-D: one set), against reference.quantize_sparse with every
+    entry kept; the block holds levels and codes only."""
+    import torch
+    from horovod_adtopk.quantize import QuantizedWire
+
+    rs = np.random.RandomState(len(shape))
+    for bits in (1, 2):
+        wire = QuantizedWire.dense(bits, shape, group)
+        numel = int(np.prod(shape))
+        assert wire.index_bits == 0 and wire.groups == levels
+        assert wire.block_bytes == -(-(levels * 2 ** (bits - 1) * 2 + -(-numel * bits // 8)) // 8) * 8
+        blocks, want = [], []
+        for _ in range(2):
+            a = rs.standard_normal(shape)
+            block, carried = wire.encode(torch.from_numpy(a).reshape(-1))
+            if numel == 0:
+                expect = a
+            elif len(shape) >= 2:
+                expect = ref.quantize_sparse(a, np.ones(shape, bool), bits, 1, group)
+            else:
+                expect = ref.quantize_group(a, bits)
+            np.testing.assert_array_equal(carried.numpy(), expect.reshape(-1))
+            blocks.append(block)
+            want.append(expect.reshape(-1))
+        for (values, index), expect in zip(wire.decode(torch.cat(blocks), 2), want):
+            assert index is None
+            np.testing.assert_array_equal(values.numpy(), expect)
+    with pytest.raises(ValueError, match="takes none"):
+        QuantizedWire.dense(2, (4, 4)).encode(torch.zeros(16), torch.arange(16))
+
+
 def test_value_bits_settings():
     import horovod_adtopk as hat
     from horovod_adtopk import local_steps
@@ -412,10 +479,12 @@ def test_value_bits_settings():
     for bad in (0, 9, 2.0, True, "2"):
         with pytest.raises(ValueError, match="value_bits must be None"):
             hat.Outer.sgd(1.0, value_bits=bad)
-    for dense in (None, hat.Compression.none, hat.Compression.fp16):
-        with pytest.raises(ValueError, match="quantizes the values of a sparse outer exchange"):
-            local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), dense)
-    local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), hat.Compression.topk(ratio=0.1))
+    with pytest.raises(ValueError, match="already sets its own"):
+        local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2), hat.Compression.fp16)
+    with pytest.raises(ValueError, match="keeps none"):
+        local_steps.check_settings(2, hat.Outer.sgd(1.0, feedback_decay=0.9), None)
+    for ok in (None, hat.Compression.none, hat.Compression.topk(ratio=0.1)):  # a dense low-bit exchange, or sparse
+        local_steps.check_settings(2, hat.Outer.sgd(1.0, value_bits=2, feedback_decay=0.9), ok)
     assert hat.Outer.sgd(1.0, value_bits=2, value_group=64).config()["value_group"] == 64
     for bad in (0, -1, 2.5, True, "64"):
         with pytest.raises(ValueError, match="value_group must be None"):
@@ -458,8 +527,14 @@ def test_value_bits_job_flag():
                                "0", "--outer-value-bits", "2", "--outer-value-group", "64"])
     assert make_local_steps(args)["outer"].config()["value_group"] == 64
     assert "levels shared by at least 64 entries" in options.describe_compression(args)
+    args = options.parse_args(["--compressor", "none", "--sync-every", "16", "--outer-value-bits", "1",
+                               "--outer-value-group", "1024", "--outer-feedback-decay", "0.9"])  # dense low-bit
+    assert make_local_steps(args)["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
+                                                        "feedback_decay": 0.9, "value_bits": 1, "value_group": 1024}
+    assert "every entry as a 1-bit code" in options.describe_compression(args)
     for argv in (["--compressor", "adtopk", "--outer-value-bits", "2"],
-                 ["--compressor", "none", "--sync-every", "4", "--outer-value-bits", "2"],
+                 ["--compressor", "fp16", "--sync-every", "4", "--outer-value-bits", "2"],
+                 ["--compressor", "none", "--sync-every", "4", "--outer-feedback-decay", "0.9"],
                  ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "0"],
                  ["--compressor", "adtopk", "--sync-every", "4", "--outer-value-bits", "9"],
                  ["--compressor", "threshold", "--threshold", "0.1", "--sync-every", "4", "--outer-value-bits", "2"],

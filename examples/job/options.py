@@ -350,13 +350,14 @@ def _resolve_feedback_decay(p: argparse.ArgumentParser, args: argparse.Namespace
     if not args.sync_every:
         p.error("--outer-feedback-decay applies to local steps (--sync-every) or to error feedback on the update "
                 "(--error-feedback-on update)")
-    if not is_sparse_rule(args.compressor):
-        p.error("--outer-feedback-decay decays a sparse compressor's error-feedback memory; use it with --compressor "
-                "adtopk, adtopk_i or topk")
+    if not is_sparse_rule(args.compressor) and not (args.compressor == "none" and args.outer_value_bits):
+        p.error("--outer-feedback-decay decays the error-feedback memory of a sparse compressor or of low-bit values; "
+                "use it with --compressor adtopk, adtopk_i or topk, or --compressor none --outer-value-bits B")
 
 
 def _resolve_value_bits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--outer-value-bits quantizes the sparse payload of a local-steps sync; --outer-value-group groups its levels."""
+    """--outer-value-bits quantizes the payload of a local-steps sync (a sparse one, or with --compressor none every
+    entry); --outer-value-group groups its levels."""
     group = getattr(args, "outer_value_group", None)
     if getattr(args, "outer_value_bits", None) is None:
         if group is not None:
@@ -364,9 +365,9 @@ def _resolve_value_bits(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         return
     if not args.sync_every:
         p.error("--outer-value-bits applies to the outer exchange of local steps; add --sync-every H")
-    if not is_sparse_rule(args.compressor) or args.threshold is not None:
-        p.error("--outer-value-bits quantizes a sparse pseudo-gradient; use it with --compressor adtopk, adtopk_i "
-                "or topk (for a dense exchange in half the bytes use --compressor fp16)")
+    if (not is_sparse_rule(args.compressor) and args.compressor != "none") or args.threshold is not None:
+        p.error("--outer-value-bits quantizes the pseudo-gradient's values; use it with --compressor adtopk, adtopk_i "
+                "or topk (sparse), or none (every entry as a low-bit code)")
     if group is not None and group < 1:
         p.error(f"--outer-value-group must be >= 1 (kept entries per set of levels), got {group}")
 
@@ -452,7 +453,9 @@ def describe_compression(args: argparse.Namespace) -> str:
                  else f"SGD lr {args.outer_lr}")
         if args.outer_feedback_decay != 1.0:
             outer += f", error feedback decayed by {args.outer_feedback_decay} per sync"
-        if getattr(args, "outer_value_bits", None) is not None:
+        if getattr(args, "outer_value_bits", None) is not None and c == "none":
+            outer += f", every entry as a {args.outer_value_bits}-bit code"
+        elif getattr(args, "outer_value_bits", None) is not None:
             outer += f", {args.outer_value_bits}-bit values and bit-packed indices"
             if getattr(args, "outer_value_group", None) is not None:
                 outer += f" (levels shared by at least {args.outer_value_group} entries)"
