@@ -117,6 +117,8 @@ METHODS: Dict[str, tuple] = {
     "diloco18_q1": ("horovod", low_bit_dense(18, 1)),
     "diloco32_q2g1024": ("horovod", low_bit_dense(32, 2, 1024)),
     "localsgd16_q1g1024": ("horovod", low_bit_dense(16, 1, 1024, SPARSELOCO_OUTER)),
+    # the same every step: each rank's AdamW update, error feedback, 1 bit an entry (about 3.2% of dense's bytes)
+    "update_q1g1024": ("horovod", low_bit_dense(1, 1, 1024, SPARSELOCO_OUTER)),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",

@@ -19,7 +19,11 @@ a residual that waits ``n`` syncs is sent scaled by ``beta**n`` or not at all. `
 values travel as b-bit codes and the indices bit-packed, :mod:`horovod_adtopk.quantize`; D(C(a_r)) is then what
 the codes carry, and the rest stays in e_r; ``value_group=n`` shares one set of levels among whole fibers, at
 least n entries; the tensors that always travel dense, 1-D ones and those under ``min_numel``, then travel as
-bfloat16 with their rounding in e_r, gathered and summed in rank order.)
+bfloat16 with their rounding in e_r, gathered and summed in rank order. ``value_bits`` with a dense exchange
+(``compression=None`` or ``Compression.none``): every entry of ``a_r`` travels as a b-bit code, no indices,
+levels per row of the tensor's ``[d0, -1]`` view (a 1-D tensor: one set) or per run of whole rows holding at
+least ``value_group`` entries; the rounding stays in e_r (an error-feedback memory for every tensor), and the
+warm-up syncs send ``a_r`` in full.)
 
 A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 1-D tensors, ``min_numel``,
 the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
@@ -31,7 +35,8 @@ Between syncs nothing is communicated. A sync costs, per rank: the sparse payloa
 tensor), the dense tensors (one allreduce each, fused by the engine) and, on Horovod, a 4-byte join query.
 
 Memory: the outer parameters (one copy of every trainable parameter, in its dtype), the outer momentum
-buffer (another copy, when ``momentum > 0``) and the residuals of the sparse-path tensors (error feedback):
+buffer (another copy, when ``momentum > 0``) and the residuals of the sparse-path tensors (error feedback; of
+every tensor with a dense low-bit exchange):
 ``LocalSteps.memory_bytes()`` counts what is held.
 
 This module owns the outer state and its math; it imports neither Horovod nor ``torch.distributed``. The
@@ -111,7 +116,8 @@ class Outer:
         """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum;
         ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does; ``value_bits=2``
         sends its values as 2-bit codes, :mod:`horovod_adtopk.quantize`; ``value_group=64`` lets whole fibers
-        share their levels until a set serves at least 64 entries)."""
+        share their levels until a set serves at least 64 entries). ``value_bits`` also works on a dense
+        exchange (``Compression.none``): every entry then travels as a code, with error feedback."""
         return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits,
                    value_group=value_group)
 

@@ -14,6 +14,9 @@ per kept entry; the indices then weigh as much as the values. This module shrink
 - **Indices, ``ceil(log2(max_index + 1))`` bits per entry**, packed LSB first (a 768-long fiber: 10 bits
   instead of an int16's 16).
 
+A *dense* block (:meth:`QuantizedWire.dense`, for ``value_bits`` with ``Compression.none``) carries every entry of
+a tensor in order: no indices; groups are its rows (dim 0) or runs of whole rows that hold ``value_group`` entries.
+
 One rank's block (the same size on every rank; ``block_bytes``)::
 
     [ G * L bfloat16 levels | n * bits packed codes | n * index_bits packed indices | pad to 8 bytes ]
@@ -200,6 +203,12 @@ class QuantizedWire:
         """(codes int64 [n], levels bfloat16 [G, L], carried float32 [n])."""
         v = values.detach().to(torch.float32).reshape(self.groups, self.group)
         mag = v.abs()
+        negative = torch.signbit(v).to(torch.int64)
+        if self.levels == 1:  # one bin: its level is the group's mean magnitude, no ranking needed
+            level = (mag.sum(1, dtype=torch.float64, keepdim=True) / self.group).to(torch.float32).to(torch.bfloat16)
+            carried = level.to(torch.float32).expand(self.groups, self.group)
+            carried = torch.where(negative.bool(), -carried, carried)
+            return (negative << (self.bits - 1)).reshape(-1), level, carried.reshape(-1)
         ranked, order = torch.sort(mag, dim=1, stable=True)  # ascending, ties by position
         # equal-count bins by magnitude rank (0 = smallest): rank p falls in bin p * L // group
         edges = [-(-b * self.group // self.levels) for b in range(self.levels + 1)]
@@ -212,7 +221,6 @@ class QuantizedWire:
         rank_bin = torch.arange(self.group, device=v.device) * self.levels // self.group
         bins = torch.empty_like(order)
         bins.scatter_(1, order, rank_bin.expand(self.groups, -1))
-        negative = torch.signbit(v).to(torch.int64)
         codes = (negative << (self.bits - 1)) | bins
         carried = torch.gather(levels.to(torch.float32), 1, bins)
         carried = torch.where(negative.bool(), -carried, carried)
