@@ -46,7 +46,8 @@ def local_steps(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sync_e
         outer: the outer optimizer (default ``Outer.nesterov(lr=0.7, momentum=0.9)``, DiLoCo's; with a sparse
             compressor SparseLoCo's ``Outer.sgd(lr=1.0, feedback_decay=0.95)`` measured better).
         compression: a fixed-size sparse compressor (``hat.Compression.adtopk(ratio=0.05)``, ``topk``,
-            ``adtopk_i``), a dense one (``fp16``) or None (dense).
+            ``adtopk_i``), a dense one (``fp16``) or None (dense; with ``outer``'s ``value_bits`` every entry
+            travels as a low-bit code).
         warmup_steps: the first N syncs travel dense.
         process_group: the ``torch.distributed`` group (None: the default group).
 
