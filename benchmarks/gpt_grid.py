@@ -86,8 +86,9 @@ METHODS: Dict[str, tuple] = {
     "ddp_psgd4": ("ddp", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "diloco10": ("horovod", ["--compressor", "none", "--sync-every", "10"]),
     "diloco50": ("horovod", ["--compressor", "none", "--sync-every", "50"]),
-    # dense DiLoCo at the interval of the 1-bit rows below: what the local steps cost without the rounding
+    # dense DiLoCo at the intervals of the 1- and 2-bit rows below: what the local steps cost without the rounding
     "diloco16": ("horovod", ["--compressor", "none", "--sync-every", "16"]),
+    "diloco32": ("horovod", ["--compressor", "none", "--sync-every", "32"]),
     # dense DiLoCo at the bytes of the SparseLoCo-style rows (0.8% and 0.2% of dense's): the equal-bytes check
     "diloco125": ("horovod", ["--compressor", "none", "--sync-every", "125"]),
     "diloco500": ("horovod", ["--compressor", "none", "--sync-every", "500"]),
