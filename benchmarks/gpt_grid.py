@@ -122,6 +122,8 @@ METHODS: Dict[str, tuple] = {
     "localsgd16_q1g1024": ("horovod", low_bit_dense(16, 1, 1024, SPARSELOCO_OUTER)),
     # the same every step: each rank's AdamW update, error feedback, 1 bit an entry (about 3.2% of dense's bytes)
     "update_q1g1024": ("horovod", low_bit_dense(1, 1, 1024, SPARSELOCO_OUTER)),
+    # ADTopk on each rank's AdamW update every step (error feedback on the update, DeMo's place for it), 2-bit values
+    "update_adtopk10_q2": ("horovod", sparseloco(1, "adtopk", "10", bits=2)),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
