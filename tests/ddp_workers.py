@@ -283,3 +283,26 @@ def no_horovod(args, outdir):
         importable = False
     return {"digests": digests, "horovod_blocked": horovod_blocked, "horovod_importable": importable,
             "round": state.round, "density": state.stats()["density"]}
+
+
+def pytorch_powersgd_buckets(args, outdir):
+    """PyTorch's ``powerSGD_hook`` on a 2.1 MB MLP through the job's bucket rule (``job.ddp_engine.bucket_options``)
+    for ``args["steps"]`` steps; returns DDP's bucket record and a hash of the final parameters."""
+    from examples.job.ddp_engine import bucket_options
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    model = DDP(module, **bucket_options(module, args["one_bucket"]))
+    model.register_comm_hook(psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                start_powerSGD_iter=2), psgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    for _ in range(args["steps"]):
+        model(torch.randn(8, 256, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    data = model._get_ddp_logging_data()
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).numpy()
+    return {"rebuilt_bucket_sizes": str(data.get("rebuilt_bucket_sizes")), "finite": bool(np.isfinite(flat).all()),
+            "params_sha": hashlib.sha256(flat.tobytes()).hexdigest()}

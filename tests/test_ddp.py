@@ -348,3 +348,18 @@ def _free_port() -> int:
 def test_train_engine_ddp_powersgd_is_pytorchs_hook(tmp_path):
     out = _torchrun_train(["--dataset", "fashion-mnist", "--compressor", "powersgd", "--max-steps", 3])
     assert "Final test accuracy" in out and "less)" in out, out[-4000:]
+
+
+def test_pytorch_powersgd_on_gloo_gets_one_bucket():
+    """PyTorch's powerSGD_hook starts its P and Q allreduces from future callbacks, which Gloo runs on its worker
+    threads: with several DDP buckets the ranks can start collectives in different orders and abort with a size
+    mismatch (DDP's default buckets split this 2.1 MB model in two; that aborted within seconds here). The job's
+    rule puts every gradient in one bucket, and 300 steps then end with bitwise equal parameters on both ranks."""
+    from examples.job.ddp_engine import bucket_options
+
+    module = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    assert bucket_options(module, False) == {}
+    assert bucket_options(module, True)["bucket_cap_mb"] * 2**20 > 8 * 257 * 256 * 4
+    *ranks, _ = ddp_results("pytorch_powersgd_buckets", 2, {"one_bucket": True, "steps": 300}, timeout=240)
+    assert [r["rebuilt_bucket_sizes"] for r in ranks] == [str(8 * 257 * 256 * 4)] * 2
+    assert all(r["finite"] for r in ranks) and ranks[0]["params_sha"] == ranks[1]["params_sha"]

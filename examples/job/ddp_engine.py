@@ -87,6 +87,14 @@ def powersgd_step_bytes(model: torch.nn.Module, rank: int, min_rate: float = 2.0
     return total
 
 
+def bucket_options(model: torch.nn.Module, one_bucket: bool) -> dict:
+    """DDP's keyword arguments for the buckets: none (DDP's defaults), or with ``one_bucket`` a cap above the
+    model's gradient bytes, which makes every gradient (the first bucket's too) one bucket."""
+    if not one_bucket:
+        return {}
+    return {"bucket_cap_mb": 1 + sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}
+
+
 class DDPEngine:
     """``torch.distributed`` from torchrun's environment; NCCL on GPUs, Gloo on the CPU."""
 
@@ -98,8 +106,13 @@ class DDPEngine:
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
         self.cuda = torch.cuda.is_available() and not args.no_cuda
         backend = getattr(args, "ddp_backend", "auto")
-        dist.init_process_group(("nccl" if self.cuda else "gloo") if backend == "auto" else backend,
-                                timeout=timedelta(seconds=120))
+        backend = ("nccl" if self.cuda else "gloo") if backend == "auto" else backend
+        dist.init_process_group(backend, timeout=timedelta(seconds=120))
+        # PyTorch's powerSGD_hook starts a bucket's P and Q allreduces from future callbacks. On Gloo those run on
+        # its worker threads when the previous collective has completed, so with several buckets the ranks can
+        # start the next bucket's allreduce and this bucket's Q allreduce in different orders: a collective
+        # mismatch that aborts the run, seen after about 470 steps of the GPT. One bucket leaves one chain.
+        self.one_bucket = getattr(args, "compressor", None) == "powersgd" and backend == "gloo"
         atexit.register(_shutdown)  # an orderly end of the process group's threads before the interpreter's
         _note_failures()
         self.init_mode = "torchrun"
@@ -117,7 +130,8 @@ class DDPEngine:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return DDP(model, device_ids=[model_device(model)] if self.cuda else None)
+        return DDP(model, device_ids=[model_device(model)] if self.cuda else None,
+                   **bucket_options(model, self.one_bucket))
 
     def make_optimizer(self, model: DDP, args: argparse.Namespace, lr: float) -> torch.optim.Optimizer:
         """SGD (momentum correction as the Horovod engine) or AdamW, and the communication hook the flags name."""
