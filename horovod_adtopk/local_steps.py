@@ -31,6 +31,9 @@ which a member has joined (Horovod's ``hvd.join()``: joined members add zeros, s
 number of active members). A dense tensor of the sparse path sends ``a_r`` (its residual released), as on the
 per-step path. With one process nothing is communicated; the outer step still runs on the local delta.
 
+``sync_now()`` syncs at any step (a shorter interval; the next starts there), so that a run that stops
+mid-interval ends with one model on every rank.
+
 Between syncs nothing is communicated. A sync costs, per rank: the sparse payloads (one allgather per
 tensor), the dense tensors (one allreduce each, fused by the engine) and, on Horovod, a 4-byte join query.
 
@@ -250,6 +253,13 @@ class LocalSteps:
             self.stats.record(name, info.numel, 0, 0)
         self.stats.steps += 1
         if self.step < self.sync_every:
+            return False
+        return self.sync_now()
+
+    def sync_now(self) -> bool:
+        """Sync at the current step, whatever the step within the interval (a shorter last interval); the next
+        interval starts here. Nothing to do (False) at the start of an interval."""
+        if self.step == 0:
             return False
         start = time.perf_counter()
         self.sync()
@@ -528,6 +538,17 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         loss = super(self.__class__, self).step(closure)
         self._local.after_step()
         return loss
+
+    def sync_now(self) -> bool:
+        """Collective: the outer exchange and step now, in the middle of an interval (its pseudo-gradient covers
+        the steps since the last sync), so that every rank holds the same parameters; for the end of training,
+        or before evaluating or exporting the model. Every rank must call it at the same step. The next
+        interval starts here (``sync_every`` steps later). Returns whether it synced: False right after a
+        sync or before the first step, where there is nothing to exchange (no collective runs)."""
+        if self._local.step == 0:
+            return False
+        self._check_config()
+        return self._local.sync_now()
 
     def synchronize(self) -> None:
         """Nothing to do: gradients stay local (Horovod's API kept so clipping code runs unchanged)."""

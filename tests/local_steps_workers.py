@@ -80,6 +80,14 @@ def train_case(case, rank, model, opt, comm):
         if (step + 1) % H == 0:
             out["digests"].append(digest(model))
             theta = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if case.get("final_sync"):  # a last, shorter interval: sync_now() exchanges it (once: a second call is a no-op)
+        for n, p in model.named_parameters():
+            delta_sum[n] += theta[n] - p.detach()
+        before = comm.collectives
+        out["final_sync"] = [opt.sync_now(), comm.collectives - before]
+        out["digests"].append(digest(model))
+        before = comm.collectives
+        out["final_sync"] += [opt.sync_now(), comm.collectives - before]
     sd = opt.state_dict()["horovod_adtopk"]
     entry = next(iter(sd["ranks"].values()))
     out["residuals"] = {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()}

@@ -10,6 +10,8 @@ model of DiLoCo and of the error-feedback sparse outer exchange written here fro
   real communicator);
 - the error-feedback invariant per rank: ``sum_t delta_t = sent + residual``, with what was sent observed
   through the parameters (``Outer.sgd(1)``: ``W (theta_0 - theta_T) = sum_r sent_r``);
+- a run that ends mid-interval: ``opt.sync_now()`` syncs the shorter last interval (in the numpy model too),
+  once; a second call runs no collective;
 - ``sync_every=1`` + ``Outer.sgd(1)`` + dense equals ordinary data parallelism (both engines);
 - a resume in the middle of an interval is bitwise the same as not stopping (both engines);
 - bad settings raise clear errors; ranks that disagree all raise; ``hvd.join()`` / uneven data.
@@ -56,6 +58,11 @@ CASES = [
     # dense low-bit: every entry as a code (Compression.none + value_bits), levels per row / per run of rows
     {"name": "dense_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2}},
+    # a run that ends mid-interval: opt.sync_now() syncs the last, shorter interval (dense, sparse EF, low-bit)
+    {"name": "diloco_dense_final_sync", "sync_every": 3, "steps": 11, "inner_lr": 0.1, "final_sync": True,
+     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}},
+    {"name": "adtopk_ef_sgd_final_sync", "sync_every": 4, "steps": 10, "inner_lr": 0.1, "final_sync": True,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.1, "axis": 1, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0}},
     {"name": "dense_1bit_grouped_nesterov_decay", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 1,
                "value_group": 48}},
@@ -99,7 +106,7 @@ def numpy_local_steps(case, initial, world):
             g = grads(w[r]["weight"], w[r]["bias"], *batch(r, step))
             for n in theta:
                 w[r][n] = w[r][n] - case["inner_lr"] * g[n]
-        if (step + 1) % H:
+        if (step + 1) % H and not (case.get("final_sync") and step == case["steps"] - 1):
             continue
         sent = []
         for r in range(world):
@@ -172,7 +179,11 @@ def check_reference(results, world):
                 elif step > 0:
                     assert count == 0, f"{case['name']}: {count} collectives at local step {step}"
             assert res["digests"] == per_rank[0]["digests"], f"{case['name']}: rank {r} differs after a sync"
-        assert len(per_rank[0]["digests"]) == case["steps"] // H
+        assert len(per_rank[0]["digests"]) == n_syncs(case)
+        if case.get("final_sync"):  # synced once, then nothing left to exchange
+            for res in per_rank:
+                assert res["final_sync"][:3] == [True, res["final_sync"][1], False] and res["final_sync"][1] > 0
+                assert res["final_sync"][3] == 0, f"{case['name']}: a second sync_now() ran collectives"
         lossless = case["outer"].get("feedback_decay", 1.0) == 1.0
         if case["outer"]["lr"] == 1.0 and case["outer"]["momentum"] == 0.0 and lossless:  # the EF invariant
             for n in theta:
@@ -183,7 +194,7 @@ def check_reference(results, world):
             assert any(np.abs(np.array(v)).sum() > 0 for res in per_rank for v in res["residuals"].values())
         stats = per_rank[0]["stats"]
         dense = 4 * (IN * OUT + OUT) * case["steps"]
-        assert stats["bytes_dense"] == dense and stats["steps"] == case["steps"] and stats["round"] == case["steps"] // H
+        assert stats["bytes_dense"] == dense and stats["steps"] == case["steps"] and stats["round"] == n_syncs(case)
         assert 0 < stats["bytes_sent"] < dense
         if case["outer"].get("value_bits") and case.get("compressor") == "adtopk":
             assert stats["bytes_sent"] == low_bit_bytes(case), case["name"]
@@ -198,6 +209,12 @@ def check_reference(results, world):
         assert mem["residuals"] == (8 * (IN * OUT + bf16_bias) if "compressor" in case or low_bit_dense else 0)
 
 
+def n_syncs(case) -> int:
+    """Syncs in a case: every ``sync_every`` steps, plus ``sync_now()`` after a last, shorter interval."""
+    full, rest = divmod(case["steps"], case["sync_every"])
+    return full + (1 if rest and case.get("final_sync") else 0)
+
+
 def low_bit_bytes(case) -> int:
     """What a rank hands to the collectives over the run with ADTopk and ``value_bits`` (module docstring of
     horovod_adtopk.quantize): per sync the weight's block (levels per run of fibers, packed codes, packed
@@ -209,7 +226,7 @@ def low_bit_bytes(case) -> int:
     run = ref.fiber_run(fibers, k, o.get("value_group"))
     count, width = fibers * k, int(np.ceil(np.log2(fiber_len)))
     used = (fibers // run) * 2 ** (bits - 1) * 2 + -(-count * bits // 8) + -(-count * width // 8)
-    syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)
+    syncs, warm = n_syncs(case), case.get("warmup", 0)
     return (syncs - warm) * (-(-used // 8) * 8) + warm * 8 * IN * OUT + syncs * 2 * OUT
 
 
@@ -222,7 +239,7 @@ def low_bit_dense_bytes(case) -> int:
     run = ref.fiber_run(OUT, IN, o.get("value_group"))
     weight = pad((OUT // run) * 2 ** (bits - 1) * 2 + -(-IN * OUT * bits // 8))
     bias = pad(2 ** (bits - 1) * 2 + -(-OUT * bits // 8))
-    syncs, warm = case["steps"] // case["sync_every"], case.get("warmup", 0)
+    syncs, warm = n_syncs(case), case.get("warmup", 0)
     return (syncs - warm) * (weight + bias) + warm * 8 * (IN * OUT + OUT)
 
 

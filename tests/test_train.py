@@ -290,6 +290,45 @@ def test_resume_is_bitwise_exact_across_epochs(tmp_path):
         assert ra["train_loss"] == rb["train_loss"] and ra["test_loss"] == rb["test_loss"]
 
 
+def test_local_steps_resume_and_last_sync(tmp_path):
+    """--sync-every 3 on the tiny corpus (5 steps per epoch, 2 epochs: the schedule ends at step 10, one step
+    into an interval). The job syncs that last step (opt.sync_now()), so the final checkpoint holds one model:
+    no open interval, no per-rank parameters, the outer parameters equal to the model. A run stopped at step 7
+    (--max-steps, one step into an interval) writes its checkpoint *before* its own last sync, and a resume
+    from it to the end is bitwise the same as the straight run."""
+    text_dir = tiny_corpus(tmp_path / "text")
+    common = ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
+              "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 2, "--compressor", "adtopk", "--ratio", "0.05",
+              "--sync-every", 3, "--test-batches", 1, "--no-warmup", "--keep-checkpoints", 5]
+    a_dir, b_dir = tmp_path / "A", tmp_path / "B"
+    rc, out_a, _ = horovodrun([*common, "--checkpoint-dir", a_dir / "ckpt", "--metrics-out", a_dir / "m.jsonl"])
+    check_ok(rc, out_a, "straight run")
+    assert "last sync: the 1 local step(s)" in out_a
+    rc, out_b1, _ = horovodrun([*common, "--max-steps", 7, "--checkpoint-dir", b_dir / "ckpt",
+                                "--metrics-out", b_dir / "m.jsonl"])
+    check_ok(rc, out_b1, "run stopped at step 7")
+    assert "last sync: the 1 local step(s)" in out_b1
+    stopped = load_ckpt(b_dir / "ckpt" / "ckpt-step7.pt")["optimizer"]["horovod_adtopk"]
+    assert stopped["local_steps"]["step"] == 1 and stopped["local_steps"]["syncs"] == 2
+    assert all("local_params" in e for e in stopped["ranks"].values())
+    rc, out_b2, _ = horovodrun([*common, "--checkpoint-dir", b_dir / "ckpt", "--metrics-out", b_dir / "m.jsonl",
+                                "--resume"])
+    check_ok(rc, out_b2, "resumed run")
+    assert "at step 7" in out_b2
+    a, b = load_ckpt(latest(a_dir / "ckpt")), load_ckpt(latest(b_dir / "ckpt"))
+    assert a["step"] == b["step"] == 10
+    assert_same_tensors(a["model"], b["model"], "model")
+    block = a["optimizer"]["horovod_adtopk"]
+    assert block["local_steps"]["step"] == 0 and block["local_steps"]["syncs"] == 4  # 3 full intervals + the last
+    assert not any("local_params" in e for e in block["ranks"].values())
+    params = {k: v for k, v in a["model"].items() if k in block["local_steps"]["outer_params"]}
+    assert len(params) == len(block["local_steps"]["outer_params"]) > 0
+    assert_same_tensors(params, block["local_steps"]["outer_params"], "outer parameters")
+    fa, fb = final_row(a_dir / "m.jsonl"), final_row(b_dir / "m.jsonl")
+    for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense"):
+        assert fa[key] == fb[key], (key, fa[key], fb[key])
+
+
 # --------------------------------------------------------------------------------------------------------
 # Launchers and errors
 # --------------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The training loop: steps, the evaluation at each epoch end (a collective), the metrics lines, the
-periodic checkpoints, and the run's summary."""
+periodic checkpoints, the last sync of a run with local steps, and the run's summary."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -99,6 +100,27 @@ def _end_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
     progress.loss_sum, progress.loss_count = 0.0, 0
 
 
+def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> bool:
+    """Local steps (``--sync-every``): a run whose last step falls inside an interval syncs the steps since the
+    last sync (``opt.sync_now()``), so every rank ends with the same model and the final evaluation and
+    checkpoint score and keep it. Where the run stops before the end of its schedule (``--max-steps``), a
+    checkpoint of the open interval is written first, so ``--resume`` continues it as if the run had not
+    stopped. Collective; returns whether it synced."""
+    sync_now = getattr(job.opt, "sync_now", None)
+    if sync_now is None or not job.opt.stats()["local_steps"]["step_in_interval"]:
+        return False
+    if job.ckpt_dir is not None and progress.step < job.args.epochs * job.steps_per_epoch \
+            and job.last_ckpt_step != progress.step:
+        # as the periodic checkpoint at an epoch's end would be: after the epoch's bookkeeping
+        after = dataclasses.replace(progress, epoch=progress.epoch + 1, batch=0, loss_sum=0.0, loss_count=0) \
+            if epoch_done else progress
+        save_checkpoint(job, after)
+    steps = job.opt.stats()["local_steps"]["step_in_interval"]
+    sync_now()
+    LOG.info(f"last sync: the {steps} local step(s) since the previous one (every rank now holds the same model)")
+    return True
+
+
 def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
     """Train from ``progress.batch`` to the end of the epoch (or to the last step), checkpointing every
     ``--checkpoint-every`` steps; at the epoch end evaluate and log the results."""
@@ -120,6 +142,8 @@ def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
         report.step(progress, loss)
         tensorboard_step(job, progress, loss, lr)
         epoch_done = progress.batch == job.steps_per_epoch
+        if progress.step == job.total_steps:
+            finish_interval(job, progress, epoch_done)
         if epoch_done:
             _end_epoch(job, progress, report)
         if job.ckpt_dir is not None and args.checkpoint_every and progress.step % args.checkpoint_every == 0 \
@@ -202,8 +226,10 @@ def train(job: Job, progress: Progress) -> dict:
         progress_report.line(progress)
     finally:
         progress_report.close()
-    if job.last_record is None or job.last_record["step"] != progress.step:
+    synced = finish_interval(job, progress)  # a run resumed from a checkpoint of its last step's open interval
+    if synced or job.last_record is None or job.last_record["step"] != progress.step:
         record(job, progress, final=True)
-    if job.ckpt_dir is not None and job.last_ckpt_step != progress.step:
+    if job.ckpt_dir is not None and (job.last_ckpt_step != progress.step
+                                     or (synced and progress.step >= job.args.epochs * job.steps_per_epoch)):
         save_checkpoint(job, progress)
     return report(job, progress)
