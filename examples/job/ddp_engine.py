@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
 
+from .common import LOG
 from .optim import base_optimizer, make_compression, make_local_steps, sparse_parameter_names
 
 HOOK_STATE_KEY = "horovod_adtopk_ddp"
@@ -52,6 +53,11 @@ class _Hooked:
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
+        if self.dense_steps and dist.is_initialized() and dist.get_rank() == 0:
+            LOG.warning("--compressor powersgd on the DDP engine: PyTorch's powerSGD_hook keeps its error-feedback "
+                        "memory and low-rank warm start outside any state_dict, so the resumed run starts them "
+                        f"afresh (its first {self.dense_steps} steps dense again) and does not repeat the run "
+                        "it resumes bitwise; our compressors keep their state in the optimizer's state_dict")
         hook = state_dict.pop(HOOK_STATE_KEY, None)
         if hook is not None and self.hook_state is not None:
             self.hook_state.load_state_dict(hook)
