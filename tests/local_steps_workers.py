@@ -84,10 +84,11 @@ def train_case(case, rank, model, opt, comm):
         for n, p in model.named_parameters():
             delta_sum[n] += theta[n] - p.detach()
         before = comm.collectives
-        out["final_sync"] = [opt.sync_now(), comm.collectives - before]
+        average = case["final_sync"] == "average"
+        out["final_sync"] = [opt.sync_now(average=average), comm.collectives - before]
         out["digests"].append(digest(model))
         before = comm.collectives
-        out["final_sync"] += [opt.sync_now(), comm.collectives - before]
+        out["final_sync"] += [opt.sync_now(average=average), comm.collectives - before]
     sd = opt.state_dict()["horovod_adtopk"]
     entry = next(iter(sd["ranks"].values()))
     out["residuals"] = {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()}

@@ -10,8 +10,8 @@ model of DiLoCo and of the error-feedback sparse outer exchange written here fro
   real communicator);
 - the error-feedback invariant per rank: ``sum_t delta_t = sent + residual``, with what was sent observed
   through the parameters (``Outer.sgd(1)``: ``W (theta_0 - theta_T) = sum_r sent_r``);
-- a run that ends mid-interval: ``opt.sync_now()`` syncs the shorter last interval (in the numpy model too),
-  once; a second call runs no collective;
+- a run that ends mid-interval: ``opt.sync_now()`` syncs the shorter last interval (in the numpy model too)
+  with the outer step, or with ``average=True`` the average as it is; once: a second call runs no collective;
 - ``sync_every=1`` + ``Outer.sgd(1)`` + dense equals ordinary data parallelism (both engines);
 - a resume in the middle of an interval is bitwise the same as not stopping (both engines);
 - bad settings raise clear errors; ranks that disagree all raise; ``hvd.join()`` / uneven data.
@@ -58,10 +58,13 @@ CASES = [
     # dense low-bit: every entry as a code (Compression.none + value_bits), levels per row / per run of rows
     {"name": "dense_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2}},
-    # a run that ends mid-interval: opt.sync_now() syncs the last, shorter interval (dense, sparse EF, low-bit)
-    {"name": "diloco_dense_final_sync", "sync_every": 3, "steps": 11, "inner_lr": 0.1, "final_sync": True,
+    # a run that ends mid-interval: opt.sync_now() syncs the last, shorter interval with the outer step, or
+    # (average=True) applies its average as it is
+    {"name": "diloco_dense_final_outer_step", "sync_every": 3, "steps": 11, "inner_lr": 0.1, "final_sync": "outer",
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}},
-    {"name": "adtopk_ef_sgd_final_sync", "sync_every": 4, "steps": 10, "inner_lr": 0.1, "final_sync": True,
+    {"name": "diloco_dense_final_average", "sync_every": 4, "steps": 10, "inner_lr": 0.1, "final_sync": "average",
+     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}},
+    {"name": "adtopk_ef_sgd_final_sync", "sync_every": 4, "steps": 10, "inner_lr": 0.1, "final_sync": "outer",
      "compressor": "adtopk", "kwargs": {"ratio": 0.1, "axis": 1, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0}},
     {"name": "dense_1bit_grouped_nesterov_decay", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 1,
@@ -141,9 +144,12 @@ def numpy_local_steps(case, initial, world):
                 else:
                     mine[n] = delta
             sent.append(mine)
+        final_average = case.get("final_sync") == "average" and step == case["steps"] - 1 and (step + 1) % H
         for n in theta:
             avg = sum(s[n] for s in sent) / world
-            if o["momentum"] > 0:
+            if final_average:  # sync_now(average=True): the average as it is, the momentum kept
+                theta[n] = theta[n] - avg
+            elif o["momentum"] > 0:
                 mom[n] = o["momentum"] * mom[n] + avg
                 theta[n] = theta[n] - o["lr"] * (avg + o["momentum"] * mom[n] if o.get("nesterov") else mom[n])
             else:

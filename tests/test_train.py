@@ -292,10 +292,10 @@ def test_resume_is_bitwise_exact_across_epochs(tmp_path):
 
 def test_local_steps_resume_and_last_sync(tmp_path):
     """--sync-every 3 on the tiny corpus (5 steps per epoch, 2 epochs: the schedule ends at step 10, one step
-    into an interval). The job syncs that last step (opt.sync_now()), so the final checkpoint holds one model:
-    no open interval, no per-rank parameters, the outer parameters equal to the model. A run stopped at step 7
-    (--max-steps, one step into an interval) writes its checkpoint *before* its own last sync, and a resume
-    from it to the end is bitwise the same as the straight run."""
+    into an interval). The job syncs that last step (opt.sync_now(average=True)), so the final checkpoint
+    holds one model: no open interval, no per-rank parameters, the outer parameters equal to the model. A run
+    stopped at step 7 (--max-steps, one step into an interval) writes its checkpoint *before* its own last
+    sync, and a resume from it to the end is bitwise the same as the straight run."""
     text_dir = tiny_corpus(tmp_path / "text")
     common = ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
               "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 2, "--compressor", "adtopk", "--ratio", "0.05",
@@ -303,11 +303,11 @@ def test_local_steps_resume_and_last_sync(tmp_path):
     a_dir, b_dir = tmp_path / "A", tmp_path / "B"
     rc, out_a, _ = horovodrun([*common, "--checkpoint-dir", a_dir / "ckpt", "--metrics-out", a_dir / "m.jsonl"])
     check_ok(rc, out_a, "straight run")
-    assert "last sync: the 1 local step(s)" in out_a
+    assert "last sync: the average of the 1 local step(s)" in out_a
     rc, out_b1, _ = horovodrun([*common, "--max-steps", 7, "--checkpoint-dir", b_dir / "ckpt",
                                 "--metrics-out", b_dir / "m.jsonl"])
     check_ok(rc, out_b1, "run stopped at step 7")
-    assert "last sync: the 1 local step(s)" in out_b1
+    assert "last sync: the average of the 1 local step(s)" in out_b1
     stopped = load_ckpt(b_dir / "ckpt" / "ckpt-step7.pt")["optimizer"]["horovod_adtopk"]
     assert stopped["local_steps"]["step"] == 1 and stopped["local_steps"]["syncs"] == 2
     assert all("local_params" in e for e in stopped["ranks"].values())

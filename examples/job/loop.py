@@ -102,10 +102,10 @@ def _end_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
 
 def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> bool:
     """Local steps (``--sync-every``): a run whose last step falls inside an interval syncs the steps since the
-    last sync (``opt.sync_now()``), so every rank ends with the same model and the final evaluation and
-    checkpoint score and keep it. Where the run stops before the end of its schedule (``--max-steps``), a
-    checkpoint of the open interval is written first, so ``--resume`` continues it as if the run had not
-    stopped. Collective; returns whether it synced."""
+    last sync (``opt.sync_now(average=True)``: their average as it is, no outer momentum step), so every rank
+    ends with the same model and the final evaluation and checkpoint score and keep it. Where the run stops
+    before the end of its schedule (``--max-steps``), a checkpoint of the open interval is written first, so
+    ``--resume`` continues it as if the run had not stopped. Collective; returns whether it synced."""
     sync_now = getattr(job.opt, "sync_now", None)
     if sync_now is None or not job.opt.stats()["local_steps"]["step_in_interval"]:
         return False
@@ -116,8 +116,9 @@ def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> b
             if epoch_done else progress
         save_checkpoint(job, after)
     steps = job.opt.stats()["local_steps"]["step_in_interval"]
-    sync_now()
-    LOG.info(f"last sync: the {steps} local step(s) since the previous one (every rank now holds the same model)")
+    sync_now(average=True)
+    LOG.info(f"last sync: the average of the {steps} local step(s) since the previous one (every rank now holds "
+             "the same model)")
     return True
 
 
