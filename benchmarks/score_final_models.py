@@ -70,7 +70,6 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("checkpoints", nargs="+", type=Path)
     p.add_argument("--json", type=Path, help="write the scores here")
     args = p.parse_args(ours)
-    torch.set_num_threads(1)
     job_args = options.parse_args(job_flags)
     _, test, vocab = DATASETS[job_args.dataset].load(job_args)
     x, y = test.tensors
@@ -90,4 +89,5 @@ def main(argv: List[str] = None) -> int:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     sys.exit(main())

@@ -12,6 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -308,9 +309,26 @@ def test_local_steps_resume_and_last_sync(tmp_path):
                                 "--metrics-out", b_dir / "m.jsonl"])
     check_ok(rc, out_b1, "run stopped at step 7")
     assert "last sync: the average of the 1 local step(s)" in out_b1
-    stopped = load_ckpt(b_dir / "ckpt" / "ckpt-step7.pt")["optimizer"]["horovod_adtopk"]
+    stopped_ckpt = load_ckpt(b_dir / "ckpt" / "ckpt-step7.pt")
+    stopped = stopped_ckpt["optimizer"]["horovod_adtopk"]
     assert stopped["local_steps"]["step"] == 1 and stopped["local_steps"]["syncs"] == 2
     assert all("local_params" in e for e in stopped["ranks"].values())
+    # benchmarks/score_final_models.py's candidates: each rank's model and their mean (numpy)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from score_final_models import candidates, main as score_main
+    models = candidates(stopped_ckpt)
+    own = [stopped["ranks"][r]["local_params"] for r in (0, 1)]
+    assert sorted(own[0]) == sorted(stopped["local_steps"]["outer_params"])
+    assert any(not torch.equal(own[0][n], own[1][n]) for n in own[0])
+    for n in own[0]:
+        want = (own[0][n].double().numpy() + own[1][n].double().numpy()) / 2
+        np.testing.assert_allclose(models["mean of the ranks"][n].double().numpy(), want, rtol=1e-6, atol=1e-7)
+        assert torch.equal(models["rank 1's own"][n], own[1][n])
+    assert score_main([str(b_dir / "ckpt" / "ckpt-step7.pt"), "--json", str(tmp_path / "scores.json"), "--",
+                       *map(str, common[:12])]) == 0
+    scores = json.loads((tmp_path / "scores.json").read_text())[str(b_dir / "ckpt" / "ckpt-step7.pt")]
+    assert scores["step_in_interval"] == 1 and len(scores["test_loss"]) == 4
+    assert all(0 < v < 10 for v in scores["test_loss"].values())
     rc, out_b2, _ = horovodrun([*common, "--checkpoint-dir", b_dir / "ckpt", "--metrics-out", b_dir / "m.jsonl",
                                 "--resume"])
     check_ok(rc, out_b2, "resumed run")
