@@ -100,6 +100,11 @@ def _end_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
     progress.loss_sum, progress.loss_count = 0.0, 0
 
 
+def schedule_end(job: Job) -> int:
+    """The step where the schedule ends (``--epochs``); ``--max-steps`` may stop the run before it."""
+    return job.args.epochs * job.steps_per_epoch
+
+
 def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> bool:
     """Local steps (``--sync-every``): a run whose last step falls inside an interval syncs the steps since the
     last sync (``opt.sync_now(average=True)``: their average as it is, no outer momentum step), so every rank
@@ -107,15 +112,14 @@ def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> b
     before the end of its schedule (``--max-steps``), a checkpoint of the open interval is written first, so
     ``--resume`` continues it as if the run had not stopped. Collective; returns whether it synced."""
     sync_now = getattr(job.opt, "sync_now", None)
-    if sync_now is None or not job.opt.stats()["local_steps"]["step_in_interval"]:
+    steps = job.opt.stats()["local_steps"]["step_in_interval"] if sync_now is not None else 0
+    if not steps:
         return False
-    if job.ckpt_dir is not None and progress.step < job.args.epochs * job.steps_per_epoch \
-            and job.last_ckpt_step != progress.step:
+    if job.ckpt_dir is not None and progress.step < schedule_end(job) and job.last_ckpt_step != progress.step:
         # as the periodic checkpoint at an epoch's end would be: after the epoch's bookkeeping
         after = dataclasses.replace(progress, epoch=progress.epoch + 1, batch=0, loss_sum=0.0, loss_count=0) \
             if epoch_done else progress
         save_checkpoint(job, after)
-    steps = job.opt.stats()["local_steps"]["step_in_interval"]
     sync_now(average=True)
     LOG.info(f"last sync: the average of the {steps} local step(s) since the previous one (every rank now holds "
              "the same model)")
@@ -231,6 +235,6 @@ def train(job: Job, progress: Progress) -> dict:
     if synced or job.last_record is None or job.last_record["step"] != progress.step:
         record(job, progress, final=True)
     if job.ckpt_dir is not None and (job.last_ckpt_step != progress.step
-                                     or (synced and progress.step >= job.args.epochs * job.steps_per_epoch)):
+                                     or (synced and progress.step >= schedule_end(job))):
         save_checkpoint(job, progress)
     return report(job, progress)
