@@ -327,8 +327,11 @@ class Hierarchical:
         sparse, why = c.choose_path(info, topo.hosts)  # the hybrid rule over the H hosts of a block's allgather
         if not sparse:
             return False, f"flat: {why}"
-        rows, cols = matrix_view_shape(info.shape)
-        axis = c.layout(info).axis if isinstance(c, ADTopkCompressor) else 1
+        if isinstance(c, ADTopkCompressor):  # its matrix view (joined rows with min_fiber_len)
+            lay = c.layout(info)
+            rows, cols, axis = lay.rows, lay.cols, lay.axis
+        else:
+            (rows, cols), axis = matrix_view_shape(info.shape), 1
         fibers = rows if axis == 1 else cols
         if fibers < topo.local_size:
             return False, f"flat: {fibers} fibers < {topo.local_size} local ranks"

@@ -136,10 +136,44 @@ def resolve_axis(rows: int, cols: int, axis: Axis, ratio: Optional[float] = None
     return int(axis)
 
 
-def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto") -> FiberLayout:
-    """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``."""
+def check_min_fiber_len(min_fiber_len: Optional[int], axis: Axis) -> Optional[int]:
+    """Validate ``min_fiber_len`` (``None``, or an int >= 1 with ``axis`` "auto" or 1)."""
+    if min_fiber_len is None:
+        return None
+    if isinstance(min_fiber_len, bool) or not isinstance(min_fiber_len, numbers.Integral) or min_fiber_len < 1:
+        raise ValueError(f"min_fiber_len must be None or an int >= 1, got {min_fiber_len!r}")
+    if axis not in ("auto", 1):
+        raise ValueError(f"min_fiber_len joins whole rows into fibers (axis 1); it cannot be combined with "
+                         f"axis={axis!r}: use axis='auto' or 1, or drop min_fiber_len")
+    return int(min_fiber_len)
+
+
+def rows_per_fiber(rows: int, cols: int, min_fiber_len: int) -> int:
+    """The smallest divisor ``g`` of ``rows`` with ``g * cols >= min_fiber_len`` (``rows`` when none is)."""
+    if cols >= min_fiber_len:
+        return 1
+    for g in range(1, rows + 1):
+        if rows % g == 0 and g * cols >= min_fiber_len:
+            return g
+    return max(rows, 1)
+
+
+def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto",
+                 min_fiber_len: Optional[int] = None) -> FiberLayout:
+    """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``.
+
+    ``min_fiber_len`` (short fibers joined): fibers are runs of ``g`` whole adjacent rows of the matrix view
+    (the view becomes ``[rows / g, g * cols]``, still contiguous), ``g`` the smallest divisor of ``rows`` that
+    makes them at least ``min_fiber_len`` long (all rows where none does). On a transformer's ``[3D, D]`` /
+    ``[D, D]`` matrices at a small width the rows are short (``D = 128``: ``k = 1`` of 128 at ratio 0.01),
+    and a budget per row then keeps far less of the tensor's energy than a top-k over a few hundred rows'
+    worth would (BENCHMARKS.md 3k). Every rank still sends ``k`` per fiber, the same payload."""
     rows, cols = matrix_view_shape(tuple(shape))
     ratio = check_ratio(ratio)
+    if check_min_fiber_len(min_fiber_len, axis) is not None:
+        g = rows_per_fiber(rows, cols, min_fiber_len)
+        rows, cols = rows // g, cols * g
+        return FiberLayout(tuple(int(s) for s in shape), rows, cols, 1, keep_count(ratio, cols))
     ax = resolve_axis(rows, cols, axis, ratio)
     fiber_len = cols if ax == 1 else rows
     return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(ratio, fiber_len))

@@ -42,6 +42,21 @@ def adtopk_mask(a: np.ndarray, ratio: float, axis) -> np.ndarray:
     return mask.reshape(a.shape)
 
 
+def joined_rows_mask(a: np.ndarray, ratio: float, min_fiber_len: int) -> np.ndarray:
+    """ADTopk with short rows joined: the rows of ``a.reshape(d0, -1)`` taken ``g`` at a time (``g`` the
+    smallest divisor of d0 with ``g * cols >= min_fiber_len``, else all rows), each group of whole rows one
+    fiber keeping its max(1, floor(ratio * g * cols)) largest |entries|."""
+    return adtopk_mask(a.reshape(joined_rows_shape(a.shape, min_fiber_len)), ratio, 1).reshape(a.shape)
+
+
+def joined_rows_shape(shape, min_fiber_len: int):
+    """The matrix view ``[d0 / g, g * cols]`` of joined_rows_mask."""
+    rows = int(shape[0])
+    cols = int(np.prod(shape[1:]))
+    g = next((d for d in range(1, rows + 1) if rows % d == 0 and d * cols >= min_fiber_len), rows)
+    return rows // g, g * cols
+
+
 def topk_mask(a: np.ndarray, ratio: float) -> np.ndarray:
     flat = np.abs(a.reshape(-1))
     k = max(1, int(math.floor(ratio * flat.size)))

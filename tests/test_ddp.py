@@ -36,6 +36,7 @@ def compare_cases():
         cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 3, "kwargs": {"ratio": 0.05, "axis": axis, **SPARSE_KW}})
     cases += [
         {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.3, **SPARSE_KW}},
+        {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.05, "min_fiber_len": 100, **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float32", "steps": 3, "kwargs": {"ratio": 0.1, "value_dtype": "float16", **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.1, "error_feedback": False, **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float32", "steps": 3, "kwargs": {"ratio": 0.01}},  # default dense/sparse rules

@@ -43,6 +43,9 @@ def make_cases():
                   "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False}})
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
                   "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False, "error_feedback": False}})
+    # short rows joined into fibers of at least 100 entries (embed [200, 16]: 8 rows per fiber)
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
+                  "kwargs": {"ratio": 0.05, "min_fiber_len": 100, "min_numel": 0, "hybrid": False}})
     cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 2, "compressor": "none"})
     # Horovod's `groups`: explicit grouped allreduces of the dense-path tensors
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 2, "compressor": "none", "groups": 2})
@@ -90,7 +93,12 @@ def expected_for(case, grads, world):
     elem = np.dtype(dtype).itemsize
     vbytes = 2 if wire is not None else elem
     kind = case.get("compressor", "adtopk")
-    if kind == "adtopk":
+    if kind == "adtopk" and kw.get("min_fiber_len"):
+        joined = lambda s: ref.joined_rows_shape(s, kw["min_fiber_len"]) if len(s) > 1 else tuple(s)  # noqa: E731
+        sparse = {n: ref.adtopk_is_sparse(joined(s), ratio, 1, elem, vbytes, kw.get("min_numel", 1024))
+                  for n, s in case["shapes"].items()}
+        select = lambda a, n: ref.joined_rows_mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
+    elif kind == "adtopk":
         sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
                   for n, s in case["shapes"].items()}
         select = lambda a, n: ref.adtopk_mask(a, ratio, axis)  # noqa: E731
@@ -141,6 +149,8 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
                 want_bytes += numel * elem * case["steps"]
                 continue
             rows, cols = shape[0], numel // shape[0]
+            if kw.get("min_fiber_len"):
+                rows, cols = ref.joined_rows_shape(shape, kw["min_fiber_len"])
             ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))

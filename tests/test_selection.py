@@ -116,6 +116,36 @@ def test_nonfinite_entries_are_always_selected():
     assert set(f.tolist()) == {105, 207}
 
 
+@pytest.mark.parametrize("shape,min_len,fibers", [
+    ((384, 128), 1024, 48),     # a D = 128 transformer's qkv: 8 rows per fiber (k = 10 of 1024 at 0.01)
+    ((65, 128), 1024, 5),       # 65 = 5 x 13 rows: 13 rows (1664 entries) per fiber
+    ((7, 300), 1000, 1),        # 7 is prime: the whole tensor is one fiber
+    ((16, 8, 3, 3), 100, 8),    # rows of 72: two per fiber
+    ((300, 7), 5, 300),         # rows already long enough: one per fiber, as axis=1
+])
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_min_fiber_len_joins_whole_rows(shape, min_len, fibers, ratio):
+    a = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape) * 7 + min_len), dtype=torch.float32)
+    comp = Compression.adtopk(ratio=ratio, min_fiber_len=min_len)
+    lay = comp.layout(info_of(a))
+    assert (lay.num_fibers, lay.axis) == (fibers, 1) and lay.fiber_len * fibers == a.numel()
+    s = comp.select(a, info_of(a), 0)
+    np.testing.assert_array_equal(mask_of(s.flat, shape), ref.joined_rows_mask(a.numpy(), ratio, min_len))
+    np.testing.assert_array_equal(s.values.numpy(), a.reshape(-1).numpy()[s.flat.numpy()])
+    assert s.values.numel() == fibers * max(1, math.floor(ratio * a.numel() / fibers))
+    assert int(s.wire_index.max()) < lay.fiber_len  # fiber-local indices decode back
+    assert torch.equal(s.codec.to_flat(s.wire_index.to(s.codec.index_dtype)), s.flat)
+    assert comp.config()["min_fiber_len"] == min_len
+    assert "min_fiber_len" not in Compression.adtopk(ratio=ratio).config()  # earlier configurations unchanged
+
+
+@pytest.mark.parametrize("bad,axis,match", [(0, "auto", "min_fiber_len"), (1.5, "auto", "min_fiber_len"),
+                                            (True, "auto", "min_fiber_len"), (512, 0, "axis=0")])
+def test_bad_min_fiber_len_is_rejected_clearly(bad, axis, match):
+    with pytest.raises(ValueError, match=match):
+        Compression.adtopk(ratio=0.1, axis=axis, min_fiber_len=bad)
+
+
 @pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), "x", None])
 def test_bad_ratio_is_rejected_clearly(bad):
     with pytest.raises(ValueError, match="ratio"):

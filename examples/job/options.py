@@ -49,6 +49,10 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
                         "update is compressed with error feedback and averaged: --sync-every 1 with an outer SGD at "
                         "lr 1; adtopk, adtopk_i and topk) (default: update for adamw, where it measured better, "
                         "gradient for sgd)")
+    p.add_argument("--min-fiber-len", type=int, default=None,
+                   help="adtopk / adtopk_i / adtopk_t: join whole adjacent rows into fibers of at least this many "
+                        "entries (short rows, e.g. a narrow transformer's [3D, D] at D = 128, keep k = 1 each "
+                        "otherwise; default: one row or column per fiber)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -404,6 +408,7 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         args.ratio = None  # dense: the whole gradient travels
         args.threshold = None
         args.min_numel = None
+        args.min_fiber_len = None
         if args.momentum_correction:
             p.error("--momentum-correction needs a sparse compressor")
         args.momentum_correction = False
@@ -414,6 +419,12 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error("--compressor threshold needs --threshold")
     if args.compressor != "threshold":
         args.threshold = None
+    if args.min_fiber_len is not None:
+        if args.compressor not in ("adtopk", "adtopk_i", "adtopk_t"):
+            p.error(f"--min-fiber-len applies to the fiber rules (adtopk, adtopk_i, adtopk_t), not --compressor "
+                    f"{args.compressor}")
+        if args.min_fiber_len < 1:
+            p.error("--min-fiber-len must be >= 1")
     if args.compressor == "powersgd":
         if args.momentum_correction:
             p.error("--momentum-correction applies to the sparse compressors; PowerSGD uses SGD momentum")

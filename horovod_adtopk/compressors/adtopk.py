@@ -20,21 +20,26 @@ class ADTopkCompressor(SparseCompressor):
 
     name = "adtopk"
     summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (contiguous rows when their "
-               "density is within 5% of ratio, else the longer axis); fixed size, fiber-local int16/int32 indices")
+               "density is within 5% of ratio, else the longer axis); `min_fiber_len` joins short rows; fixed size, "
+               "fiber-local int16/int32 indices")
 
-    def __init__(self, ratio: float, axis="auto", **kwargs) -> None:
+    def __init__(self, ratio: float, axis="auto", min_fiber_len: Optional[int] = None, **kwargs) -> None:
         super().__init__(ratio, **kwargs)
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
+        self.min_fiber_len = sel.check_min_fiber_len(min_fiber_len, axis)
         # one codec per tensor (name, shape), replaced when the layout changes: during a density warm-up "auto"
         # can pick another axis with the same k, so the whole layout is compared, not k alone
         self._codecs: Dict[Tuple[str, Tuple[int, ...]], FiberCodec] = {}
 
     def extra_config(self) -> dict:
-        return {"axis": self.axis}
+        extra = {"axis": self.axis}
+        if self.min_fiber_len is not None:  # only when set, so that earlier configurations compare unchanged
+            extra["min_fiber_len"] = self.min_fiber_len
+        return extra
 
     def layout(self, info: TensorInfo, ratio: Optional[float] = None) -> sel.FiberLayout:
-        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis)
+        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis, self.min_fiber_len)
 
     def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
         layout = self.layout(info, None if step is None else self.ratio_at(step))
@@ -86,7 +91,7 @@ class ADTopkICompressor(ADTopkCompressor):
         self.period = _check_int("period", period, 1)
 
     def extra_config(self) -> dict:
-        return {"axis": self.axis, "period": self.period}
+        return {**super().extra_config(), "period": self.period}
 
     def nominal_count(self, info: TensorInfo) -> int:
         return max(self.layout(info).count, sel.keep_count(self.ratio, info.numel))
@@ -140,7 +145,7 @@ class ADTopkTCompressor(ADTopkCompressor):
         self._state: Dict[str, dict] = {}
 
     def extra_config(self) -> dict:
-        return {"axis": self.axis, "tau_min": self.tau_min, "tau_max": self.tau_max,
+        return {**super().extra_config(), "tau_min": self.tau_min, "tau_max": self.tau_max,
                 "tolerance": self.tolerance, "warmup": self.warmup}
 
     def nominal_index_dtype(self, info: TensorInfo) -> Optional[torch.dtype]:
