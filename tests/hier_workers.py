@@ -50,7 +50,7 @@ def hier_cases(args, outdir):
 
 
 class TwoLayer(torch.nn.Module):
-    """Two weight matrices and two biases: few collectives per step, so 120 steps on 4 ranks stay short."""
+    """Two weight matrices and two biases: few collectives per step, so the 60 steps on 4 ranks stay short."""
 
     def __init__(self):
         super().__init__()

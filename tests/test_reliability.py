@@ -15,7 +15,7 @@ def specs_for(names, ratio=0.01):
 
 
 def test_every_compressor_keeps_ranks_bitwise_identical(request):
-    steps = 250
+    steps = 150
     specs = specs_for(ALL) + [{"compressor": "threshold", "kwargs": {"threshold": 0.01}},
                               {"compressor": "dgc", "kwargs": {"ratio": 0.01, "momentum": 0.9}}]
     results = run_ranks("train_consistency", np=2, controller="gloo",

@@ -68,6 +68,8 @@ def test_warmup_flags_resolve(argv, expected):
     (["--compressor", "none", "--momentum-correction"], "needs a sparse compressor"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--engine", "ddp", "--overlap", "on"], "--overlap applies to --engine horovod"),
+    (["--compressor", "topk", "--min-fiber-len", "512"], "--min-fiber-len applies to the fiber rules"),
+    (["--min-fiber-len", "0"], "--min-fiber-len must be >= 1"),
 ])
 def test_bad_flags_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -107,6 +109,16 @@ def test_compressor_built_from_the_flags_carries_the_warmup():
     cfg = engine.make_compression(options.parse_args(["--no-warmup", "--no-momentum-correction"])).config()
     assert cfg["density_warmup"] == 0 and cfg["momentum"] is None
     assert engine.make_compression(options.parse_args(["--compressor", "none"])) is hat.Compression.none
+
+
+def test_min_fiber_len_reaches_the_compressor_and_the_settings_line():
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--min-fiber-len", "2048"])
+    comp = engine.make_compression(args)
+    assert comp.config()["min_fiber_len"] == 2048
+    lay = comp.layout(hat.compressors.TensorInfo("qkv", (384, 128), 384 * 128, torch.float32))
+    assert (lay.num_fibers, lay.fiber_len, lay.k) == (24, 2048, 20)  # 16 rows a fiber
+    assert "short rows joined into fibers of >= 2048 entries" in options.describe_compression(args)
+    assert "min_fiber_len" not in engine.make_compression(options.parse_args([])).config()
 
 
 def test_sgd_groups_split_sparse_from_dense_parameters():

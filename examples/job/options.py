@@ -455,6 +455,8 @@ def describe_compression(args: argparse.Namespace) -> str:
         text = f"{c}: rank {args.powersgd_rank}, {base}"
     else:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
+        if getattr(args, "min_fiber_len", None):
+            text += f", short rows joined into fibers of >= {args.min_fiber_len} entries"
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
                  if args.momentum_correction else f", {base}")
     if getattr(args, "error_feedback_on", None) == "update":
