@@ -39,6 +39,7 @@ dense allreduce would.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -148,6 +149,7 @@ def check_min_fiber_len(min_fiber_len: Optional[int], axis: Axis) -> Optional[in
     return int(min_fiber_len)
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every step, per tensor
 def rows_per_fiber(rows: int, cols: int, min_fiber_len: int) -> int:
     """The smallest divisor ``g`` of ``rows`` with ``g * cols >= min_fiber_len`` (``rows`` when none is)."""
     if cols >= min_fiber_len:
