@@ -19,12 +19,16 @@ does (``compressor.select``), and reports
 Rules: ADTopk with ``axis="auto"`` (the default), ``axis=0``, ``axis=1``, ADTopk with short rows joined into
 fibers of at least ``L`` entries (``min_fiber_len=L`` for every ``L`` of ``--join``) and global Top-k.
 It is a snapshot of one sum, not a training run: error feedback changes what accumulates under each rule.
+
+``--time``: also the selection time of each rule over all of the model's matrices (``compressor.select`` on
+that sum, one thread, best of 5 rounds of 20 calls each), side by side in one run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=20, help="sum the updates of this many last steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default: print only)")
+    p.add_argument("--time", action="store_true", help="also time each rule's selection over all the matrices")
     args = p.parse_args(argv)
     if not 1 <= args.window <= args.steps:
         p.error("need 1 <= --window <= --steps")
@@ -70,6 +75,21 @@ def summed_updates(args) -> dict:
                 if n in before:
                     acc[n] = acc.get(n, 0) + (before[n] - p.detach())
     return acc
+
+
+def selection_seconds(comp, tensors: dict, rounds: int = 5, calls: int = 20) -> float:
+    """Best of ``rounds`` of the mean time of ``comp.select`` over every tensor of ``tensors`` (one pass)."""
+    infos = {n: TensorInfo(n, tuple(a.shape), a.numel(), a.dtype) for n, a in tensors.items()}
+    for n, a in tensors.items():  # warm-up: layouts, codecs, the native kernel's first call
+        comp.select(a, infos[n], 0)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            for n, a in tensors.items():
+                comp.select(a, infos[n], 0)
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
 
 
 def main(argv=None) -> int:
@@ -106,6 +126,11 @@ def main(argv=None) -> int:
     cells = " | ".join(f"{summary[r]['energy']:.3f} ({summary[r]['efficiency']:.2f})" for r in rules)
     print(f"| all matrices | | {cells} |")
     print("| entries sent | | " + " | ".join(str(summary[r]["count"]) for r in rules) + " |")
+    if args.time:
+        for r, comp in rules.items():
+            summary[r]["select_ms"] = 1e3 * selection_seconds(comp, acc)
+        print("| selection, ms per step (all matrices) | | " +
+              " | ".join(f"{summary[r]['select_ms']:.2f}" for r in rules) + " |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},

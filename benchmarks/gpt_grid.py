@@ -77,15 +77,16 @@ def low_bit_dense(h: int, bits: int, group: Optional[int] = None, outer: Optiona
 # name -> (engine, flags); the DDP engine's methods run under torchrun
 METHODS: Dict[str, tuple] = {
     "dense": ("horovod", ["--compressor", "none"]),
-    "adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01"]),
+    # "--min-fiber-len 1": one row or column per fiber, as these ran before the job joined the GPT's short rows
+    "adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1"]),
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
-    "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05"]),
+    "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1"]),
     # short rows joined: every fiber at least 2,048 entries (16 rows of the width-128 GPT, k = 20 at 0.01)
     "adtopk01_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "2048"]),
     # the same at Top-k 0.01's bytes (ratio 0.013: 76,944 payload bytes per step on the matrices against 78,550)
     "adtopk013_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.013", "--min-fiber-len", "2048"]),
     # the paper's interleaving: fiber rounds alternate with global top-k rounds
-    "adtopki01": ("horovod", ["--compressor", "adtopk_i", "--ratio", "0.01"]),
+    "adtopki01": ("horovod", ["--compressor", "adtopk_i", "--ratio", "0.01", "--min-fiber-len", "1"]),
     "psgd4": ("horovod", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "ddp_psgd4": ("ddp", ["--compressor", "powersgd", "--powersgd-rank", "4"]),
     "diloco10": ("horovod", ["--compressor", "none", "--sync-every", "10"]),

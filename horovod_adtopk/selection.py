@@ -164,15 +164,17 @@ def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto",
                  min_fiber_len: Optional[int] = None) -> FiberLayout:
     """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``.
 
-    ``min_fiber_len`` (short fibers joined): fibers are runs of ``g`` whole adjacent rows of the matrix view
-    (the view becomes ``[rows / g, g * cols]``, still contiguous), ``g`` the smallest divisor of ``rows`` that
-    makes them at least ``min_fiber_len`` long (all rows where none does). On a transformer's ``[3D, D]`` /
-    ``[D, D]`` matrices at a small width the rows are short (``D = 128``: ``k = 1`` of 128 at ratio 0.01),
-    and a budget per row then keeps far less of the tensor's energy than a top-k over a few hundred rows'
-    worth would (BENCHMARKS.md 3k). Every rank still sends ``k`` per fiber, the same payload."""
+    ``min_fiber_len`` (short rows joined): where the rows of the matrix view are shorter than
+    ``min_fiber_len``, fibers are runs of ``g`` whole adjacent rows (the view becomes ``[rows / g, g * cols]``,
+    still contiguous), ``g`` the smallest divisor of ``rows`` that makes them at least that long (all rows
+    where none does); where the rows are long enough, ``axis`` decides as without it (so ``1`` changes
+    nothing). On a transformer's ``[3D, D]`` / ``[D, D]`` matrices at a small width the rows are short
+    (``D = 128``: ``k = 1`` of 128 at ratio 0.01), and a budget per row keeps far less of the tensor's energy
+    than a top-k over a few thousand entries does (BENCHMARKS.md 3k). Every rank still sends ``k`` per fiber,
+    the same payload."""
     rows, cols = matrix_view_shape(tuple(shape))
     ratio = check_ratio(ratio)
-    if check_min_fiber_len(min_fiber_len, axis) is not None:
+    if check_min_fiber_len(min_fiber_len, axis) is not None and cols < min_fiber_len:
         g = rows_per_fiber(rows, cols, min_fiber_len)
         rows, cols = rows // g, cols * g
         return FiberLayout(tuple(int(s) for s in shape), rows, cols, 1, keep_count(ratio, cols))

@@ -43,16 +43,21 @@ def adtopk_mask(a: np.ndarray, ratio: float, axis) -> np.ndarray:
 
 
 def joined_rows_mask(a: np.ndarray, ratio: float, min_fiber_len: int) -> np.ndarray:
-    """ADTopk with short rows joined: the rows of ``a.reshape(d0, -1)`` taken ``g`` at a time (``g`` the
-    smallest divisor of d0 with ``g * cols >= min_fiber_len``, else all rows), each group of whole rows one
-    fiber keeping its max(1, floor(ratio * g * cols)) largest |entries|."""
+    """ADTopk with short rows joined: where the rows of ``a.reshape(d0, -1)`` are shorter than
+    ``min_fiber_len``, they are taken ``g`` at a time (``g`` the smallest divisor of d0 with ``g * cols >=
+    min_fiber_len``, else all rows), each group of whole rows one fiber keeping its max(1, floor(ratio * g *
+    cols)) largest |entries|; otherwise ADTopk with axis "auto"."""
+    if a.size // a.shape[0] >= min_fiber_len:
+        return adtopk_mask(a, ratio, "auto")
     return adtopk_mask(a.reshape(joined_rows_shape(a.shape, min_fiber_len)), ratio, 1).reshape(a.shape)
 
 
 def joined_rows_shape(shape, min_fiber_len: int):
-    """The matrix view ``[d0 / g, g * cols]`` of joined_rows_mask."""
+    """The matrix view of joined_rows_mask: ``[d0 / g, g * cols]`` where rows are short, else ``[d0, cols]``."""
     rows = int(shape[0])
     cols = int(np.prod(shape[1:]))
+    if cols >= min_fiber_len:
+        return rows, cols
     g = next((d for d in range(1, rows + 1) if rows % d == 0 and d * cols >= min_fiber_len), rows)
     return rows // g, g * cols
 

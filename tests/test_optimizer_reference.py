@@ -59,6 +59,16 @@ def make_cases():
     return cases
 
 
+def joined_view(shape, min_fiber_len, ratio):
+    """``(matrix view, ratio, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) where they are
+    short, else the plain view and axis "auto"; a 1-D shape as it is."""
+    if len(shape) < 2:
+        return tuple(shape), ratio, 1
+    view = ref.joined_rows_shape(shape, min_fiber_len)
+    joined = view[0] != shape[0]
+    return view, ratio, (1 if joined else ref.resolve_axis(view[0], view[1], "auto", ratio))
+
+
 def load_case(outdir, ci, world, case):
     names = list(case["shapes"])
     grads, outs, res = [], [], []
@@ -94,9 +104,8 @@ def expected_for(case, grads, world):
     vbytes = 2 if wire is not None else elem
     kind = case.get("compressor", "adtopk")
     if kind == "adtopk" and kw.get("min_fiber_len"):
-        joined = lambda s: ref.joined_rows_shape(s, kw["min_fiber_len"]) if len(s) > 1 else tuple(s)  # noqa: E731
-        sparse = {n: ref.adtopk_is_sparse(joined(s), ratio, 1, elem, vbytes, kw.get("min_numel", 1024))
-                  for n, s in case["shapes"].items()}
+        sparse = {n: ref.adtopk_is_sparse(*joined_view(s, kw["min_fiber_len"], ratio), elem, vbytes,
+                                          kw.get("min_numel", 1024)) for n, s in case["shapes"].items()}
         select = lambda a, n: ref.joined_rows_mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
     elif kind == "adtopk":
         sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
@@ -149,9 +158,9 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
                 want_bytes += numel * elem * case["steps"]
                 continue
             rows, cols = shape[0], numel // shape[0]
-            if kw.get("min_fiber_len"):
-                rows, cols = ref.joined_rows_shape(shape, kw["min_fiber_len"])
             ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
+            if kw.get("min_fiber_len"):
+                (rows, cols), _, ax = joined_view(shape, kw["min_fiber_len"], kw["ratio"])
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))
             entries = nfib * k  # one block: values and indices, each padded to 8 bytes

@@ -116,19 +116,22 @@ def test_nonfinite_entries_are_always_selected():
     assert set(f.tolist()) == {105, 207}
 
 
-@pytest.mark.parametrize("shape,min_len,fibers", [
-    ((384, 128), 1024, 48),     # a D = 128 transformer's qkv: 8 rows per fiber (k = 10 of 1024 at 0.01)
-    ((65, 128), 1024, 5),       # 65 = 5 x 13 rows: 13 rows (1664 entries) per fiber
-    ((7, 300), 1000, 1),        # 7 is prime: the whole tensor is one fiber
-    ((16, 8, 3, 3), 100, 8),    # rows of 72: two per fiber
-    ((300, 7), 5, 300),         # rows already long enough: one per fiber, as axis=1
+@pytest.mark.parametrize("shape,min_len,fibers,axis", [
+    ((384, 128), 1024, 48, 1),     # a D = 128 transformer's qkv: 8 rows per fiber (k = 10 of 1024 at 0.01)
+    ((65, 128), 1024, 5, 1),       # 65 = 5 x 13 rows: 13 rows (1664 entries) per fiber
+    ((7, 300), 1000, 1, 1),        # 7 is prime: the whole tensor is one fiber
+    ((16, 8, 3, 3), 100, 8, 1),    # rows of 72: two per fiber
+    ((300, 7), 5, 7, 0),           # rows already long enough: axis "auto" decides (the longer axis here)
+    ((300, 7), 1, 7, 0),           # min_fiber_len=1 never joins: the default layout
 ])
 @pytest.mark.parametrize("ratio", [0.01, 0.1])
-def test_min_fiber_len_joins_whole_rows(shape, min_len, fibers, ratio):
+def test_min_fiber_len_joins_whole_rows(shape, min_len, fibers, axis, ratio):
     a = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape) * 7 + min_len), dtype=torch.float32)
     comp = Compression.adtopk(ratio=ratio, min_fiber_len=min_len)
     lay = comp.layout(info_of(a))
-    assert (lay.num_fibers, lay.axis) == (fibers, 1) and lay.fiber_len * fibers == a.numel()
+    assert (lay.num_fibers, lay.axis) == (fibers, axis) and lay.fiber_len * fibers == a.numel()
+    if min_len <= shape[1]:
+        assert lay == Compression.adtopk(ratio=ratio).layout(info_of(a))
     s = comp.select(a, info_of(a), 0)
     np.testing.assert_array_equal(mask_of(s.flat, shape), ref.joined_rows_mask(a.numpy(), ratio, min_len))
     np.testing.assert_array_equal(s.values.numpy(), a.reshape(-1).numpy()[s.flat.numpy()])

@@ -121,6 +121,20 @@ def test_min_fiber_len_reaches_the_compressor_and_the_settings_line():
     assert "min_fiber_len" not in engine.make_compression(options.parse_args([])).config()
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--compressor", "adtopk"], 2048),                      # the GPT every step: short rows joined
+    (["--compressor", "adtopk_i"], 2048),
+    (["--compressor", "adtopk", "--min-fiber-len", "1"], 1),  # turned off
+    (["--compressor", "topk"], None),                        # not a fiber rule
+    (["--compressor", "adtopk", "--sync-every", "10"], None),  # a sparse outer exchange keeps the paper's fibers
+])
+def test_gpt_joins_short_rows_by_default_every_step(argv, expected):
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *argv])
+    assert args.min_fiber_len == expected
+    assert ("short rows joined" in options.describe_compression(args)) == (expected == 2048)
+    assert options.parse_args(["--compressor", "adtopk"]).min_fiber_len is None  # the CNN: unchanged
+
+
 def test_sgd_groups_split_sparse_from_dense_parameters():
     model = data.make_model(options.parse_args([]), None)
     comp = engine.make_compression(options.parse_args([]))

@@ -50,9 +50,9 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
                         "lr 1; adtopk, adtopk_i and topk) (default: update for adamw, where it measured better, "
                         "gradient for sgd)")
     p.add_argument("--min-fiber-len", type=int, default=None,
-                   help="adtopk / adtopk_i / adtopk_t: join whole adjacent rows into fibers of at least this many "
-                        "entries (short rows, e.g. a narrow transformer's [3D, D] at D = 128, keep k = 1 each "
-                        "otherwise; default: one row or column per fiber)")
+                   help="adtopk / adtopk_i / adtopk_t: join whole adjacent rows shorter than this into fibers of at "
+                        "least this many entries (a narrow transformer's 128-entry rows keep k = 1 each otherwise; "
+                        "default: 2048 for --model gpt every step, else none; 1 turns it off)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -396,6 +396,10 @@ def _resolve_warmup(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         args.density_warmup = DENSITY_WARMUP if sparse and args.compressor != "threshold" else 0
 
 
+FIBER_RULES = ("adtopk", "adtopk_i", "adtopk_t")
+GPT_MIN_FIBER_LEN = 2048  # --model gpt's default --min-fiber-len with a per-step fiber rule
+
+
 def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.compressor != "powersgd":
         args.powersgd_rank = None
@@ -420,11 +424,15 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.compressor != "threshold":
         args.threshold = None
     if args.min_fiber_len is not None:
-        if args.compressor not in ("adtopk", "adtopk_i", "adtopk_t"):
+        if args.compressor not in FIBER_RULES:
             p.error(f"--min-fiber-len applies to the fiber rules (adtopk, adtopk_i, adtopk_t), not --compressor "
                     f"{args.compressor}")
         if args.min_fiber_len < 1:
             p.error("--min-fiber-len must be >= 1")
+    elif args.model == "gpt" and args.compressor in FIBER_RULES and not args.sync_every:
+        # per-step compression of the transformer: its 128-entry rows keep k = 1 each at 0.01; joined to >= 2,048
+        # entries the 2,000-step test loss went from +10.2% of dense's to +7.4% (BENCHMARKS.md 3k)
+        args.min_fiber_len = GPT_MIN_FIBER_LEN
     if args.compressor == "powersgd":
         if args.momentum_correction:
             p.error("--momentum-correction applies to the sparse compressors; PowerSGD uses SGD momentum")
@@ -455,7 +463,7 @@ def describe_compression(args: argparse.Namespace) -> str:
         text = f"{c}: rank {args.powersgd_rank}, {base}"
     else:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
-        if getattr(args, "min_fiber_len", None):
+        if (getattr(args, "min_fiber_len", None) or 1) > 1:
             text += f", short rows joined into fibers of >= {args.min_fiber_len} entries"
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
                  if args.momentum_correction else f", {base}")
