@@ -133,7 +133,8 @@ def main(argv=None) -> int:
               " | ".join(f"{summary[r]['select_ms']:.2f}" for r in rules) + " |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+        settings = {k: v for k, v in vars(args).items() if k != "out"}  # no machine paths in the record
+        Path(args.out).write_text(json.dumps({"args": settings,
                                               "tensors": per_tensor, "all": summary}, indent=1))
     return 0
 

@@ -60,13 +60,13 @@ def make_cases():
 
 
 def joined_view(shape, min_fiber_len, ratio):
-    """``(matrix view, ratio, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) where they are
-    short, else the plain view and axis "auto"; a 1-D shape as it is."""
+    """``(matrix view, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) where they are short, else
+    the plain view and the axis "auto" picks; a 1-D shape as it is."""
     if len(shape) < 2:
-        return tuple(shape), ratio, 1
+        return tuple(shape), 1
     view = ref.joined_rows_shape(shape, min_fiber_len)
     joined = view[0] != shape[0]
-    return view, ratio, (1 if joined else ref.resolve_axis(view[0], view[1], "auto", ratio))
+    return view, (1 if joined else ref.resolve_axis(view[0], view[1], "auto", ratio))
 
 
 def load_case(outdir, ci, world, case):
@@ -104,8 +104,9 @@ def expected_for(case, grads, world):
     vbytes = 2 if wire is not None else elem
     kind = case.get("compressor", "adtopk")
     if kind == "adtopk" and kw.get("min_fiber_len"):
-        sparse = {n: ref.adtopk_is_sparse(*joined_view(s, kw["min_fiber_len"], ratio), elem, vbytes,
-                                          kw.get("min_numel", 1024)) for n, s in case["shapes"].items()}
+        views = {n: joined_view(s, kw["min_fiber_len"], ratio) for n, s in case["shapes"].items()}
+        sparse = {n: ref.adtopk_is_sparse(view, ratio, ax, elem, vbytes, kw.get("min_numel", 1024))
+                  for n, (view, ax) in views.items()}
         select = lambda a, n: ref.joined_rows_mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
     elif kind == "adtopk":
         sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
@@ -160,7 +161,7 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
             rows, cols = shape[0], numel // shape[0]
             ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
             if kw.get("min_fiber_len"):
-                (rows, cols), _, ax = joined_view(shape, kw["min_fiber_len"], kw["ratio"])
+                (rows, cols), ax = joined_view(shape, kw["min_fiber_len"], kw["ratio"])
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))
             entries = nfib * k  # one block: values and indices, each padded to 8 bytes
