@@ -20,7 +20,9 @@ hits all of them alike):
   the AVX2 first pass, the legacy paths;
 - ``rule``: as ``legacy`` with today's paths (row-major slab passes for column fibers, thresholds from a sample
   of the keys where block maxima cannot bound the k-th key);
-- ``rule+2t``: as ``rule`` with 2 torch threads (fibers split between threads).
+- ``rule+2t``: as ``rule`` with 2 torch threads (fibers split between threads);
+- ``join``: as ``rule`` on the layout of ``min_fiber_len`` (``--min-fiber-len``, 2048 by default): rows shorter
+  than that joined into fibers of whole adjacent rows (``selection.fiber_layout``), one thread.
 
 and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``
 (``r.add_(g)``: reads r and g, writes r, the bytes the fused selection must move at least, so its time is
@@ -32,6 +34,7 @@ Output: a table on stdout and ``bench_results/kernel_paths.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -49,7 +52,7 @@ SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 409
           "resnet50.conv3x3 [256,2304]": (256, 2304),
           # GPT-2 small (its attention, MLP and projection matrices share BERT-base's shapes above)
           "gpt2.wte [50257,768]": (50257, 768), "gpt2.c_attn [2304,768]": (2304, 768)}
-CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t")
+CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t", "join")
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -58,12 +61,16 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float) -> float:
+def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float, min_fiber_len: int) -> float:
     """Seconds of one fused selection of ``name`` on fresh copies of r."""
     rows, cols = r.shape
-    old_axis = 1 if cols >= rows else 0
-    axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
-    k = selection.keep_count(ratio, cols if axis == 1 else rows)
+    if name == "join":
+        lay = selection.fiber_layout(tuple(r.shape), ratio, "auto", min_fiber_len)
+        rows, cols, axis, k = lay.rows, lay.cols, lay.axis, lay.k
+    else:
+        old_axis = 1 if cols >= rows else 0
+        axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
+        k = selection.keep_count(ratio, cols if axis == 1 else rows)
     os.environ["HOROVOD_ADTOPK_SIMD"] = "0" if name == "before" else "1"
     os.environ["HOROVOD_ADTOPK_LEGACY_SELECT"] = "1" if name in ("before", "simd", "legacy") else "0"
     torch.set_num_threads(2 if name.endswith("2t") else 1)
@@ -76,14 +83,14 @@ def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float) -> flo
         os.environ.pop("HOROVOD_ADTOPK_LEGACY_SELECT", None)
 
 
-def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int) -> Dict[str, float]:
+def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int, min_fiber_len: int) -> Dict[str, float]:
     gen = torch.Generator().manual_seed(shape[0] * 31 + shape[1])
     r = torch.randn(shape, generator=gen).to(dtype)
     g = torch.randn(shape, generator=gen).to(dtype)
     times: Dict[str, List[float]] = {c: [] for c in (*CONFIGS, "read", "add")}
     for rep in range(repeats + 1):  # the first round is a warm-up
         for c in CONFIGS:
-            t = one_config(c, r, g, ratio)
+            t = one_config(c, r, g, ratio, min_fiber_len)
             if rep:
                 times[c].append(t)
         x = r.clone()
@@ -97,6 +104,7 @@ def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int) -> Dict
     rows, cols = shape
     out["axis_before"] = 1 if cols >= rows else 0
     out["axis_rule"] = selection.resolve_axis(rows, cols, "auto", ratio)
+    out["join_layout"] = list(dataclasses.astuple(selection.fiber_layout(shape, ratio, "auto", min_fiber_len))[1:])
     out["add_gbytes_per_s"] = 3 * r.numel() * r.element_size() / out["add"] / 1e9
     return out
 
@@ -105,24 +113,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-fiber-len", type=int, default=2048, help="the join configuration's min_fiber_len")
+    short = {n.split()[0]: n for n in SHAPES}  # "bert.attn" -> "bert.attn [768,768]"
+    ap.add_argument("--shapes", nargs="+", choices=list(short), default=list(short), metavar="NAME",
+                    help=f"a subset of the shapes (default: all): {', '.join(short)}")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--out", default=str(common.REPO_ROOT / "bench_results" / "kernel_paths.json"))
     a = ap.parse_args()
     if not kernels.native_available():
         raise SystemExit("bench_kernel_paths: the native kernel is not built (python setup.py build_ext --inplace)")
     torch.set_num_threads(1)
-    report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats, "results": {}}
+    report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats,
+              "min_fiber_len": a.min_fiber_len, "results": {}}
     head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
-            "legacy/rule", "before/add", "rule/add", "rule/read", "add GB/s"]
+            "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "add GB/s"]
     rows = []
     for dt in a.dtypes:
-        for name, shape in SHAPES.items():
-            m = measure_shape(shape, getattr(torch, dt), a.ratio, a.repeats)
+        for name in (short[n] for n in a.shapes):
+            shape = SHAPES[name]
+            m = measure_shape(shape, getattr(torch, dt), a.ratio, a.repeats, a.min_fiber_len)
             report["results"][f"{name} {dt}"] = m
             rows.append([name, dt, f"{m['axis_before']}->{m['axis_rule']}", *[f"{m[c] * 1e3:.1f}" for c in CONFIGS],
                          f"{m['read'] * 1e3:.2f}", f"{m['add'] * 1e3:.2f}", f"{m['legacy'] / m['rule']:.2f}",
                          f"{m['before'] / m['add']:.1f}",
-                         f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
+                         f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['rule'] / m['join']:.2f}",
+                         f"{m['join'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
             print(rows[-1], flush=True)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     text = common.table(head, rows)
