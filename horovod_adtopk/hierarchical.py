@@ -266,13 +266,16 @@ def _unsupported(compression: SparseCompressor, elastic: bool) -> Optional[str]:
 
 def _block_compressor(compression: SparseCompressor, axis: int) -> SparseCompressor:
     """The compressor a block is selected with: for ADTopk rules a shallow copy with the tensor's resolved
-    fiber ``axis`` (``"auto"`` decided on the whole tensor must not be decided again on a block's shape);
+    fiber ``axis`` (``"auto"`` decided on the whole tensor must not be decided again on a block's shape, nor
+    ``min_fiber_len`` applied again);
     the copy shares the original's codec cache and adaptive state (ADTopk-T), so checkpoints and resets of
     the optimizer's compressor cover the blocks."""
     if not isinstance(compression, ADTopkCompressor):
         return compression
     view = copy.copy(compression)
     view.axis = axis
+    # the block's fibers are the tensor's (joined already where min_fiber_len joined them): never join again
+    view.min_fiber_len, view.join = None, "rows"
     return view
 
 
@@ -327,7 +330,7 @@ class Hierarchical:
         sparse, why = c.choose_path(info, topo.hosts)  # the hybrid rule over the H hosts of a block's allgather
         if not sparse:
             return False, f"flat: {why}"
-        if isinstance(c, ADTopkCompressor):  # its matrix view (joined rows with min_fiber_len)
+        if isinstance(c, ADTopkCompressor):  # its matrix view (joined rows or columns with min_fiber_len)
             lay = c.layout(info)
             rows, cols, axis = lay.rows, lay.cols, lay.axis
         else:

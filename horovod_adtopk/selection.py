@@ -137,15 +137,27 @@ def resolve_axis(rows: int, cols: int, axis: Axis, ratio: Optional[float] = None
     return int(axis)
 
 
-def check_min_fiber_len(min_fiber_len: Optional[int], axis: Axis) -> Optional[int]:
-    """Validate ``min_fiber_len`` (``None``, or an int >= 1 with ``axis`` "auto" or 1)."""
+#: How ``min_fiber_len`` joins short fibers: whole adjacent rows, or whole columns (see :func:`fiber_layout`).
+FIBER_JOINS = ("rows", "columns")
+
+
+def check_min_fiber_len(min_fiber_len: Optional[int], axis: Axis, join: str = "rows") -> Optional[int]:
+    """Validate ``min_fiber_len`` (``None``, or an int >= 1) and ``join`` ("rows": with ``axis`` "auto" or
+    1; "columns": with ``axis`` "auto" or 0, and only with ``min_fiber_len``)."""
+    if join not in FIBER_JOINS:
+        raise ValueError(f"join must be 'rows' or 'columns', got {join!r}")
     if min_fiber_len is None:
+        if join != "rows":
+            raise ValueError(f"join={join!r} says how min_fiber_len joins short fibers: give min_fiber_len too "
+                             f"(e.g. min_fiber_len=2048), or drop join")
         return None
     if isinstance(min_fiber_len, bool) or not isinstance(min_fiber_len, numbers.Integral) or min_fiber_len < 1:
         raise ValueError(f"min_fiber_len must be None or an int >= 1, got {min_fiber_len!r}")
-    if axis not in ("auto", 1):
-        raise ValueError(f"min_fiber_len joins whole rows into fibers (axis 1); it cannot be combined with "
-                         f"axis={axis!r}: use axis='auto' or 1, or drop min_fiber_len")
+    fits = ("auto", 1) if join == "rows" else ("auto", 0)
+    if axis not in fits:
+        raise ValueError(f"min_fiber_len with join={join!r} joins whole {join} into fibers (axis "
+                         f"{fits[1]}); it cannot be combined with axis={axis!r}: use axis='auto' or {fits[1]}, "
+                         f"or drop min_fiber_len")
     return int(min_fiber_len)
 
 
@@ -161,23 +173,36 @@ def rows_per_fiber(rows: int, cols: int, min_fiber_len: int) -> int:
 
 
 def fiber_layout(shape: Tuple[int, ...], ratio: float, axis: Axis = "auto",
-                 min_fiber_len: Optional[int] = None) -> FiberLayout:
+                 min_fiber_len: Optional[int] = None, join: str = "rows") -> FiberLayout:
     """The :class:`FiberLayout` of a tensor of ``shape`` at density ``ratio``.
 
-    ``min_fiber_len`` (short rows joined): where the rows of the matrix view are shorter than
-    ``min_fiber_len``, fibers are runs of ``g`` whole adjacent rows (the view becomes ``[rows / g, g * cols]``,
-    still contiguous), ``g`` the smallest divisor of ``rows`` that makes them at least that long (all rows
-    where none does); where the rows are long enough, ``axis`` decides as without it (so ``1`` changes
-    nothing). On a transformer's ``[3D, D]`` / ``[D, D]`` matrices at a small width the rows are short
-    (``D = 128``: ``k = 1`` of 128 at ratio 0.01), and a budget per row keeps far less of the tensor's energy
-    than a top-k over a few thousand entries does (BENCHMARKS.md 3k). Every rank still sends ``k`` per fiber,
-    the same payload."""
+    ``min_fiber_len`` (short fibers joined), with ``join``:
+
+    - ``"rows"``: where the rows of the matrix view are shorter than ``min_fiber_len``, fibers are runs of
+      ``g`` whole adjacent rows (the view becomes ``[rows / g, g * cols]``, still contiguous), ``g`` the
+      smallest divisor of ``rows`` that makes them at least that long (all rows where none does);
+    - ``"columns"``: where the columns are shorter than ``min_fiber_len``, fibers are ``g`` whole columns
+      each: the view becomes ``[rows * g, cols / g]`` (the same memory) and its columns are the fibers, so
+      fiber ``j`` holds every row's entries in columns ``j, j + cols / g, j + 2 cols / g, ...``; ``g`` the
+      smallest divisor of ``cols`` with ``rows * g >= min_fiber_len`` (all columns where none does).
+
+    Where the fibers are long enough already, ``axis`` decides as without it (so ``1`` changes nothing). On a
+    transformer's ``[3D, D]`` / ``[D, D]`` matrices at a small width the rows are short (``D = 128``:
+    ``k = 1`` of 128 at ratio 0.01), and a budget per row keeps far less of the tensor's energy than a top-k
+    over a few thousand entries does (BENCHMARKS.md 3k); joined columns span every row, so a fused ``qkv``'s
+    q, k and v share one budget instead of a third each. Every rank still sends ``k`` per fiber, the same
+    payload."""
     rows, cols = matrix_view_shape(tuple(shape))
     ratio = check_ratio(ratio)
-    if check_min_fiber_len(min_fiber_len, axis) is not None and cols < min_fiber_len:
-        g = rows_per_fiber(rows, cols, min_fiber_len)
-        rows, cols = rows // g, cols * g
-        return FiberLayout(tuple(int(s) for s in shape), rows, cols, 1, keep_count(ratio, cols))
+    if check_min_fiber_len(min_fiber_len, axis, join) is not None:
+        if join == "rows" and cols < min_fiber_len:
+            g = rows_per_fiber(rows, cols, min_fiber_len)
+            rows, cols = rows // g, cols * g
+            return FiberLayout(tuple(int(s) for s in shape), rows, cols, 1, keep_count(ratio, cols))
+        if join == "columns" and rows < min_fiber_len:
+            g = rows_per_fiber(cols, rows, min_fiber_len)  # the same rule with the roles of rows and columns
+            rows, cols = rows * g, cols // g
+            return FiberLayout(tuple(int(s) for s in shape), rows, cols, 0, keep_count(ratio, rows))
     ax = resolve_axis(rows, cols, axis, ratio)
     fiber_len = cols if ax == 1 else rows
     return FiberLayout(tuple(int(s) for s in shape), rows, cols, ax, keep_count(ratio, fiber_len))

@@ -18,6 +18,7 @@ def make_compression(args: argparse.Namespace):
     return hat.Compression.from_options(
         args.compressor, ratio=args.ratio, value_dtype=VALUE_DTYPES.get(args.value_dtype), threshold=args.threshold,
         min_numel=args.min_numel, min_fiber_len=getattr(args, "min_fiber_len", None),
+        join=getattr(args, "fiber_join", None),
         momentum=args.momentum if args.momentum_correction else None,
         seed=args.seed,  # identical on every rank (Random-k draws the same positions everywhere)
         density_warmup=args.density_warmup, density_start=args.density_start, rank=args.powersgd_rank)

@@ -53,6 +53,9 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
                    help="adtopk / adtopk_i / adtopk_t: join whole adjacent rows shorter than this into fibers of at "
                         "least this many entries (a narrow transformer's 128-entry rows keep k = 1 each otherwise; "
                         "default: 2048 for --model gpt every step, else none; 1 turns it off)")
+    p.add_argument("--fiber-join", choices=("rows", "columns"), default=None,
+                   help="with --min-fiber-len: join whole adjacent rows (default), or whole columns (every row of "
+                        "every (cols/g)-th column: one budget across a fused qkv's q, k and v)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -413,6 +416,9 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         args.threshold = None
         args.min_numel = None
         args.min_fiber_len = None
+        if args.fiber_join is not None:
+            p.error(f"--fiber-join applies to the fiber rules (adtopk, adtopk_i, adtopk_t) with --min-fiber-len, "
+                    f"not --compressor {args.compressor}")
         if args.momentum_correction:
             p.error("--momentum-correction needs a sparse compressor")
         args.momentum_correction = False
@@ -433,6 +439,11 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         # per-step compression of the transformer: its 128-entry rows keep k = 1 each at 0.01; joined to >= 2,048
         # entries the 2,000-step test loss went from +10.2% of dense's to +7.4% (BENCHMARKS.md 3k)
         args.min_fiber_len = GPT_MIN_FIBER_LEN
+    if args.fiber_join is not None and (args.min_fiber_len or 1) <= 1:
+        p.error("--fiber-join says how --min-fiber-len joins short fibers: give --min-fiber-len L > 1 too "
+                "(or, with --model gpt every step, leave --min-fiber-len out for its default 2048)")
+    if args.fiber_join == "rows" or (args.min_fiber_len or 1) <= 1:
+        args.fiber_join = None  # rows, the library's default: None, as checkpoints from before the flag say
     if args.compressor == "powersgd":
         if args.momentum_correction:
             p.error("--momentum-correction applies to the sparse compressors; PowerSGD uses SGD momentum")
@@ -464,7 +475,8 @@ def describe_compression(args: argparse.Namespace) -> str:
     else:
         text = f"{c}: ratio {args.ratio}" + (f", threshold {args.threshold}" if args.threshold is not None else "")
         if (getattr(args, "min_fiber_len", None) or 1) > 1:
-            text += f", short rows joined into fibers of >= {args.min_fiber_len} entries"
+            joined = getattr(args, "fiber_join", None) or "rows"
+            text += f", short {joined} joined into fibers of >= {args.min_fiber_len} entries"
         text += (f", momentum correction {args.momentum} (the sparse tensors' SGD without momentum)"
                  if args.momentum_correction else f", {base}")
     if getattr(args, "error_feedback_on", None) == "update":

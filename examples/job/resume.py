@@ -24,10 +24,11 @@ RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "thresh
                "clip_grad", "seed", "seq_len", "lstm_hidden", "lstm_layers", "world_size", "dense_rounds",
                "density_warmup", "density_start", "powersgd_rank", "optimizer", "betas", "bf16", "gpt_dim",
                "gpt_layers", "gpt_heads", "tie_weights", "sync_every", "outer_lr", "outer_momentum",
-               "outer_feedback_decay", "outer_value_bits", "outer_value_group", "error_feedback_on", "min_fiber_len")
+               "outer_feedback_decay", "outer_value_bits", "outer_value_group", "error_feedback_on", "min_fiber_len",
+               "fiber_join")
 # What a checkpoint written before a setting existed ran with.
 RESUME_DEFAULTS = {"outer_feedback_decay": 1.0, "outer_value_bits": None, "outer_value_group": None,
-                   "min_fiber_len": None}
+                   "min_fiber_len": None, "fiber_join": None}
 
 
 def save_checkpoint(job: Job, progress: Progress, extra: Optional[dict] = None) -> None:

@@ -20,14 +20,16 @@ class ADTopkCompressor(SparseCompressor):
 
     name = "adtopk"
     summary = ("per-fiber top-k of `reshape(d0, -1)`; `axis` 0, 1 or `\"auto\"` (contiguous rows when their "
-               "density is within 5% of ratio, else the longer axis); `min_fiber_len` joins short rows; fixed size, "
-               "fiber-local int16/int32 indices")
+               "density is within 5% of ratio, else the longer axis); `min_fiber_len` joins short rows (or "
+               "columns: `join=\"columns\"`); fixed size, fiber-local int16/int32 indices")
 
-    def __init__(self, ratio: float, axis="auto", min_fiber_len: Optional[int] = None, **kwargs) -> None:
+    def __init__(self, ratio: float, axis="auto", min_fiber_len: Optional[int] = None, join: str = "rows",
+                 **kwargs) -> None:
         super().__init__(ratio, **kwargs)
         sel.resolve_axis(2, 2, axis)  # validates
         self.axis = axis
-        self.min_fiber_len = sel.check_min_fiber_len(min_fiber_len, axis)
+        self.min_fiber_len = sel.check_min_fiber_len(min_fiber_len, axis, join)
+        self.join = join
         # one codec per tensor (name, shape), replaced when the layout changes: during a density warm-up "auto"
         # can pick another axis with the same k, so the whole layout is compared, not k alone
         self._codecs: Dict[Tuple[str, Tuple[int, ...]], FiberCodec] = {}
@@ -36,10 +38,13 @@ class ADTopkCompressor(SparseCompressor):
         extra = {"axis": self.axis}
         if self.min_fiber_len is not None:  # only when set, so that earlier configurations compare unchanged
             extra["min_fiber_len"] = self.min_fiber_len
+        if self.join != "rows":
+            extra["join"] = self.join
         return extra
 
     def layout(self, info: TensorInfo, ratio: Optional[float] = None) -> sel.FiberLayout:
-        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis, self.min_fiber_len)
+        return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis, self.min_fiber_len,
+                                self.join)
 
     def codec(self, info: TensorInfo, step: Optional[int] = None) -> FiberCodec:
         layout = self.layout(info, None if step is None else self.ratio_at(step))
