@@ -62,6 +62,41 @@ def joined_rows_shape(shape, min_fiber_len: int):
     return rows // g, g * cols
 
 
+def joined_columns_mask(a: np.ndarray, ratio: float, min_fiber_len: int) -> np.ndarray:
+    """ADTopk with short columns joined: where the columns of ``M = a.reshape(d0, -1)`` are shorter than
+    ``min_fiber_len``, fiber ``j`` (of ``cols / g``) is every entry ``M[r, c]`` with ``c % (cols / g) == j``
+    (``g`` whole columns; ``g`` the smallest divisor of cols with ``g * d0 >= min_fiber_len``, else all
+    columns), keeping its max(1, floor(ratio * g * d0)) largest |entries|; otherwise ADTopk with axis "auto".
+    Built here from the column indices, not from a reshape."""
+    m = a.reshape(a.shape[0], -1)
+    rows, cols = m.shape
+    if rows >= min_fiber_len:
+        return adtopk_mask(a, ratio, "auto")
+    nfib = joined_columns_shape(a.shape, min_fiber_len)[1]
+    k = max(1, int(math.floor(ratio * rows * (cols // nfib))))
+    mask = np.zeros(m.shape, dtype=bool)
+    for j in range(nfib):
+        cs = np.arange(j, cols, nfib)
+        sub = np.abs(m[:, cs])
+        sub = np.where(np.isnan(sub), np.inf, sub)
+        # flat order within the fiber: row-major over (row, column), the order of the [rows * g, cols / g] view
+        order = np.argsort(-sub.reshape(-1), kind="stable")[:k]
+        r, c = np.divmod(order, len(cs))
+        mask[r, cs[c]] = True
+    return mask.reshape(a.shape)
+
+
+def joined_columns_shape(shape, min_fiber_len: int):
+    """The matrix view of joined_columns_mask: ``[d0 * g, cols / g]`` where columns are short, else
+    ``[d0, cols]``."""
+    rows = int(shape[0])
+    cols = int(np.prod(shape[1:]))
+    if rows >= min_fiber_len:
+        return rows, cols
+    g = next((d for d in range(1, cols + 1) if cols % d == 0 and d * rows >= min_fiber_len), cols)
+    return rows * g, cols // g
+
+
 def topk_mask(a: np.ndarray, ratio: float) -> np.ndarray:
     flat = np.abs(a.reshape(-1))
     k = max(1, int(math.floor(ratio * flat.size)))

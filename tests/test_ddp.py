@@ -37,6 +37,8 @@ def compare_cases():
     cases += [
         {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.3, **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.05, "min_fiber_len": 100, **SPARSE_KW}},
+        {"shapes": SHAPES, "dtype": "float64", "steps": 3,
+         "kwargs": {"ratio": 0.05, "min_fiber_len": 100, "join": "columns", **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float32", "steps": 3, "kwargs": {"ratio": 0.1, "value_dtype": "float16", **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float64", "steps": 3, "kwargs": {"ratio": 0.1, "error_feedback": False, **SPARSE_KW}},
         {"shapes": SHAPES, "dtype": "float32", "steps": 3, "kwargs": {"ratio": 0.01}},  # default dense/sparse rules

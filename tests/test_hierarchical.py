@@ -14,6 +14,7 @@ import pytest
 
 from tests import reference as ref
 from tests.harness import launch, RanksFailed
+from tests.test_optimizer_reference import joined_view
 
 TWO_BY_TWO = ["-H", "localhost:2,127.0.0.1:2"]
 # 4 ranks on a 2-core machine: one rank can be off-CPU for longer than Gloo's default 30 s collective timeout
@@ -42,6 +43,10 @@ def make_cases():
                   "kwargs": {"ratio": 0.1, "axis": "auto", **BASE}})
     cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 3, "op": "sum",
                   "kwargs": {"ratio": 0.05, "axis": 0, **BASE}})
+    # short rows / columns joined (min_fiber_len): the blocks are runs of the joined view's fibers
+    for join in ("rows", "columns"):
+        cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
+                      "kwargs": {"ratio": 0.1, "axis": "auto", "min_fiber_len": 100, "join": join, **BASE}})
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3, "compressor": "topk",
                   "kwargs": {"ratio": 0.05, **BASE}})
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3, "compressor": "threshold",
@@ -75,16 +80,29 @@ def split(n, parts):
     return out
 
 
+def view_of(case, shape):
+    """The matrix view the fibers are cut from: ``[d0, rest]``, or the joined view with ``min_fiber_len``."""
+    kw = case["kwargs"]
+    if case.get("compressor", "adtopk") == "adtopk" and kw.get("min_fiber_len"):
+        return joined_view(shape, kw["min_fiber_len"], kw["ratio"], kw.get("join", "rows"))[0]
+    return shape[0], int(np.prod(shape[1:]))
+
+
 def plan(case, shape):
     """(path, axis): "dense", "flat" (flat sparse: fewer fibers than local ranks) or "hier"."""
     kw, kind = case["kwargs"], case.get("compressor", "adtopk")
     dtype = NP_DTYPES[case["dtype"]]
     elem = np.dtype(dtype).itemsize
     if kind == "adtopk":
-        if not ref.adtopk_is_sparse(tuple(shape), kw["ratio"], kw["axis"], elem, elem, 0):
+        if len(shape) < 2:
             return "dense", None
-        rows, cols = shape[0], int(np.prod(shape[1:]))
-        axis = ref.resolve_axis(rows, cols, kw["axis"], kw["ratio"])
+        rows, cols = view_of(case, shape)
+        if kw.get("min_fiber_len"):
+            axis = joined_view(shape, kw["min_fiber_len"], kw["ratio"], kw.get("join", "rows"))[1]
+        else:
+            axis = ref.resolve_axis(rows, cols, kw["axis"], kw["ratio"])
+        if not ref.adtopk_is_sparse((rows, cols), kw["ratio"], axis, elem, elem, 0):
+            return "dense", None
     else:
         ratio = kw.get("ratio", 0.01)
         if not ref.flat_is_sparse(tuple(shape), ratio, elem, elem):
@@ -94,9 +112,13 @@ def plan(case, shape):
     return ("flat" if fibers < LOCAL else "hier"), axis
 
 
-def select(case, a, axis):
+def select(case, a, axis, whole=False):
+    """The mask of a block (a matrix of the view's fibers), or with ``whole`` of a whole tensor of the flat
+    path (cut into the fibers of its view)."""
     kw, kind = case["kwargs"], case.get("compressor", "adtopk")
     if kind == "adtopk":
+        if whole:
+            return ref.adtopk_mask(a.reshape(view_of(case, a.shape)), kw["ratio"], axis).reshape(a.shape)
         return ref.adtopk_mask(a, kw["ratio"], axis)
     if kind == "topk":
         return ref.topk_mask(a, kw["ratio"])  # the block's share of k
@@ -112,7 +134,7 @@ def model_hierarchical(case, grads, name):
     """grads[rank][step][name], rank = host * LOCAL + local_rank. Returns (outputs per step, residuals per
     (host, local rank) block)."""
     shape, dtype = case["shapes"][name], NP_DTYPES[case["dtype"]]
-    rows, cols = shape[0], int(np.prod(shape[1:]))
+    rows, cols = view_of(case, shape)
     _, axis = plan(case, shape)
     bounds = split(rows if axis == 1 else cols, LOCAL)
     average = case.get("op") != "sum"
@@ -199,7 +221,7 @@ def test_flat_and_dense_tensors_beside_hierarchical_ones(cases_run):
             path, axis = plan(case, shape)
             if path == "hier":
                 continue
-            sel = (lambda a, _n, axis=axis: select(case, a, axis)) if path == "flat" else None
+            sel = (lambda a, _n, axis=axis: select(case, a, axis, whole=True)) if path == "flat" else None
             expected = ref.simulate(grads, sel, {m: m == n and path == "flat" for m in case["shapes"]},
                                     average=case.get("op") != "sum")
             for t in range(case["steps"]):
@@ -219,7 +241,7 @@ def test_error_feedback_invariant_per_block(cases_run):
         for n, shape in case["shapes"].items():
             if plan(case, shape)[0] != "hier":
                 continue
-            rows, cols = shape[0], int(np.prod(shape[1:]))
+            rows, cols = view_of(case, shape)
             _, model_res = model_hierarchical(case, grads, n)
             factor = world if case.get("op") != "sum" else 1
             sent = factor * sum(outs[0][t][n] for t in range(case["steps"])).reshape(rows, cols)

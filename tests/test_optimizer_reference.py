@@ -46,6 +46,10 @@ def make_cases():
     # short rows joined into fibers of at least 100 entries (embed [200, 16]: 8 rows per fiber)
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
                   "kwargs": {"ratio": 0.05, "min_fiber_len": 100, "min_numel": 0, "hybrid": False}})
+    # short columns joined (linear [32, 48]: 4 columns per fiber; embed [200, 16]: long enough, "auto")
+    cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 3,
+                  "kwargs": {"ratio": 0.05, "min_fiber_len": 100, "join": "columns", "min_numel": 0,
+                             "hybrid": False}})
     cases.append({"shapes": SHAPES, "dtype": "float32", "steps": 2, "compressor": "none"})
     # Horovod's `groups`: explicit grouped allreduces of the dense-path tensors
     cases.append({"shapes": SHAPES, "dtype": "float64", "steps": 2, "compressor": "none", "groups": 2})
@@ -59,14 +63,15 @@ def make_cases():
     return cases
 
 
-def joined_view(shape, min_fiber_len, ratio):
-    """``(matrix view, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) where they are short, else
-    the plain view and the axis "auto" picks; a 1-D shape as it is."""
+def joined_view(shape, min_fiber_len, ratio, join="rows"):
+    """``(matrix view, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) or columns (axis 0) where
+    they are short, else the plain view and the axis "auto" picks; a 1-D shape as it is."""
     if len(shape) < 2:
         return tuple(shape), 1
-    view = ref.joined_rows_shape(shape, min_fiber_len)
-    joined = view[0] != shape[0]
-    return view, (1 if joined else ref.resolve_axis(view[0], view[1], "auto", ratio))
+    view = (ref.joined_rows_shape if join == "rows" else ref.joined_columns_shape)(shape, min_fiber_len)
+    if view[0] != shape[0]:
+        return view, (1 if join == "rows" else 0)
+    return view, ref.resolve_axis(view[0], view[1], "auto", ratio)
 
 
 def load_case(outdir, ci, world, case):
@@ -104,10 +109,12 @@ def expected_for(case, grads, world):
     vbytes = 2 if wire is not None else elem
     kind = case.get("compressor", "adtopk")
     if kind == "adtopk" and kw.get("min_fiber_len"):
-        views = {n: joined_view(s, kw["min_fiber_len"], ratio) for n, s in case["shapes"].items()}
+        join = kw.get("join", "rows")
+        views = {n: joined_view(s, kw["min_fiber_len"], ratio, join) for n, s in case["shapes"].items()}
         sparse = {n: ref.adtopk_is_sparse(view, ratio, ax, elem, vbytes, kw.get("min_numel", 1024))
                   for n, (view, ax) in views.items()}
-        select = lambda a, n: ref.joined_rows_mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
+        mask = ref.joined_rows_mask if join == "rows" else ref.joined_columns_mask
+        select = lambda a, n: mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
     elif kind == "adtopk":
         sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
                   for n, s in case["shapes"].items()}
@@ -161,7 +168,7 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
             rows, cols = shape[0], numel // shape[0]
             ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
             if kw.get("min_fiber_len"):
-                (rows, cols), ax = joined_view(shape, kw["min_fiber_len"], kw["ratio"])
+                (rows, cols), ax = joined_view(shape, kw["min_fiber_len"], kw["ratio"], kw.get("join", "rows"))
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))
             entries = nfib * k  # one block: values and indices, each padded to 8 bytes

@@ -142,11 +142,47 @@ def test_min_fiber_len_joins_whole_rows(shape, min_len, fibers, axis, ratio):
     assert "min_fiber_len" not in Compression.adtopk(ratio=ratio).config()  # earlier configurations unchanged
 
 
+@pytest.mark.parametrize("shape,min_len,fibers,fiber_len", [
+    ((384, 128), 2048, 16, 3072),   # the GPT's fused qkv: 8 columns per fiber, q, k and v in every one
+    ((128, 512), 2048, 32, 2048),   # a wide matrix: 16 columns per fiber
+    ((84, 128), 2048, 4, 2688),     # the GPT's token embedding: 32 columns (84 x 24 < 2048)
+    ((7, 13), 1000, 1, 91),         # 13 is prime and the tensor is short: the whole tensor is one fiber
+    ((16, 8, 3, 3), 100, 9, 128),   # a conv: columns of 16 entries, 8 per fiber (7 does not divide 72)
+    ((300, 7), 100, 7, 300),        # columns already long enough: axis "auto" decides (columns here)
+])
+@pytest.mark.parametrize("ratio", [0.01, 0.1])
+def test_min_fiber_len_joins_whole_columns(shape, min_len, fibers, fiber_len, ratio):
+    gen = torch.Generator().manual_seed(len(shape) * 11 + min_len)
+    a = torch.randn(shape, generator=gen, dtype=torch.float32)
+    a.reshape(-1)[::17] = 0.5  # ties: the lower index wins, as everywhere
+    comp = Compression.adtopk(ratio=ratio, min_fiber_len=min_len, join="columns")
+    lay = comp.layout(info_of(a))
+    assert (lay.num_fibers, lay.fiber_len) == (fibers, fiber_len) and lay.axis == 0
+    if min_len <= shape[0]:
+        assert lay == Compression.adtopk(ratio=ratio).layout(info_of(a))
+    s = comp.select(a, info_of(a), 0)
+    np.testing.assert_array_equal(mask_of(s.flat, shape), ref.joined_columns_mask(a.numpy(), ratio, min_len))
+    np.testing.assert_array_equal(s.values.numpy(), a.reshape(-1).numpy()[s.flat.numpy()])
+    assert s.values.numel() == fibers * max(1, math.floor(ratio * fiber_len))
+    assert int(s.wire_index.max()) < lay.fiber_len  # fiber-local indices decode back
+    assert torch.equal(s.codec.to_flat(s.wire_index.to(s.codec.index_dtype)), s.flat)
+    assert comp.config()["join"] == "columns"
+    assert "join" not in Compression.adtopk(ratio=ratio, min_fiber_len=min_len).config()  # rows: unchanged
+
+
 @pytest.mark.parametrize("bad,axis,match", [(0, "auto", "min_fiber_len"), (1.5, "auto", "min_fiber_len"),
                                             (True, "auto", "min_fiber_len"), (512, 0, "axis=0")])
 def test_bad_min_fiber_len_is_rejected_clearly(bad, axis, match):
     with pytest.raises(ValueError, match=match):
         Compression.adtopk(ratio=0.1, axis=axis, min_fiber_len=bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"min_fiber_len": 512, "join": "diagonal"}, "join must be"),
+                                          ({"join": "columns"}, "give min_fiber_len too"),
+                                          ({"min_fiber_len": 512, "join": "columns", "axis": 1}, "axis=1")])
+def test_bad_join_is_rejected_clearly(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Compression.adtopk(ratio=0.1, **kwargs)
 
 
 @pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), "x", None])

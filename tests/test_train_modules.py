@@ -70,6 +70,11 @@ def test_warmup_flags_resolve(argv, expected):
     (["--engine", "ddp", "--overlap", "on"], "--overlap applies to --engine horovod"),
     (["--compressor", "topk", "--min-fiber-len", "512"], "--min-fiber-len applies to the fiber rules"),
     (["--min-fiber-len", "0"], "--min-fiber-len must be >= 1"),
+    (["--compressor", "topk", "--fiber-join", "columns"], "--fiber-join applies to the fiber rules"),
+    (["--compressor", "none", "--fiber-join", "columns"], "--fiber-join applies to the fiber rules"),
+    (["--fiber-join", "columns"], "give --min-fiber-len L > 1 too"),  # the CNN: no default L
+    (["--dataset", "shakespeare", "--model", "gpt", "--min-fiber-len", "1", "--fiber-join", "columns"],
+     "give --min-fiber-len L > 1 too"),
 ])
 def test_bad_flags_exit_2_with_the_reason(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -119,6 +124,19 @@ def test_min_fiber_len_reaches_the_compressor_and_the_settings_line():
     assert (lay.num_fibers, lay.fiber_len, lay.k) == (24, 2048, 20)  # 16 rows a fiber
     assert "short rows joined into fibers of >= 2048 entries" in options.describe_compression(args)
     assert "min_fiber_len" not in engine.make_compression(options.parse_args([])).config()
+
+
+def test_fiber_join_columns_reaches_the_compressor_and_the_settings_line():
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--fiber-join", "columns"])
+    comp = engine.make_compression(args)
+    assert comp.config()["min_fiber_len"] == 2048 and comp.config()["join"] == "columns"  # the GPT's default L
+    lay = comp.layout(hat.compressors.TensorInfo("qkv", (384, 128), 384 * 128, torch.float32))
+    assert (lay.num_fibers, lay.fiber_len, lay.k, lay.axis) == (16, 3072, 30, 0)  # 8 columns a fiber
+    assert "short columns joined into fibers of >= 2048 entries" in options.describe_compression(args)
+    # rows, said or not, is the library's default: nothing in the configuration, as before the flag
+    for extra in ([], ["--fiber-join", "rows"]):
+        args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *extra])
+        assert args.fiber_join is None and "join" not in engine.make_compression(args).config()
 
 
 @pytest.mark.parametrize("argv, expected", [
