@@ -17,7 +17,8 @@ does (``compressor.select``), and reports
   per-fiber budget, whatever the count).
 
 Rules: ADTopk with ``axis="auto"`` (the default), ``axis=0``, ``axis=1``, ADTopk with short rows joined into
-fibers of at least ``L`` entries (``min_fiber_len=L`` for every ``L`` of ``--join``) and global Top-k.
+fibers of at least ``L`` entries (``joinL``: ``min_fiber_len=L`` for every ``L`` of ``--join``), the same with
+whole columns joined (``joincolsL``: ``min_fiber_len=L, join="columns"``) and global Top-k.
 It is a snapshot of one sum, not a training run: error feedback changes what accumulates under each rule.
 
 ``--time``: also the selection time of each rule over all of the model's matrices (``compressor.select`` on
@@ -98,6 +99,8 @@ def main(argv=None) -> int:
     rules = {"adtopk": Compression.adtopk(ratio=args.ratio), "axis0": Compression.adtopk(ratio=args.ratio, axis=0),
              "axis1": Compression.adtopk(ratio=args.ratio, axis=1)}
     rules.update({f"join{L}": Compression.adtopk(ratio=args.ratio, min_fiber_len=L) for L in args.join})
+    rules.update({f"joincols{L}": Compression.adtopk(ratio=args.ratio, min_fiber_len=L, join="columns")
+                  for L in args.join})
     rules["topk"] = Compression.topk(ratio=args.ratio)
     acc = summed_updates(args)
     per_tensor, totals = {}, {r: {"sent": 0.0, "all": 0.0, "oracle": 0.0, "count": 0} for r in rules}
