@@ -404,6 +404,9 @@ GPT_MIN_FIBER_LEN = 2048  # --model gpt's default --min-fiber-len with a per-ste
 
 
 def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.fiber_join is not None and args.compressor not in FIBER_RULES:
+        p.error(f"--fiber-join applies to the fiber rules (adtopk, adtopk_i, adtopk_t) with --min-fiber-len, "
+                f"not --compressor {args.compressor}")
     if args.compressor != "powersgd":
         args.powersgd_rank = None
     if hat.Compression.is_dense_name(args.compressor):
@@ -416,9 +419,6 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         args.threshold = None
         args.min_numel = None
         args.min_fiber_len = None
-        if args.fiber_join is not None:
-            p.error(f"--fiber-join applies to the fiber rules (adtopk, adtopk_i, adtopk_t) with --min-fiber-len, "
-                    f"not --compressor {args.compressor}")
         if args.momentum_correction:
             p.error("--momentum-correction needs a sparse compressor")
         args.momentum_correction = False
@@ -439,9 +439,6 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
         # per-step compression of the transformer: its 128-entry rows keep k = 1 each at 0.01; joined to >= 2,048
         # entries the 2,000-step test loss went from +10.2% of dense's to +7.4% (BENCHMARKS.md 3k)
         args.min_fiber_len = GPT_MIN_FIBER_LEN
-    if args.fiber_join is not None and args.compressor not in FIBER_RULES:
-        p.error(f"--fiber-join applies to the fiber rules (adtopk, adtopk_i, adtopk_t) with --min-fiber-len, "
-                f"not --compressor {args.compressor}")
     if args.fiber_join is not None and (args.min_fiber_len or 1) <= 1:
         p.error("--fiber-join says how --min-fiber-len joins short fibers: give --min-fiber-len L > 1 too "
                 "(or, with --model gpt every step, leave --min-fiber-len out for its default 2048)")
