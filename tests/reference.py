@@ -89,12 +89,8 @@ def joined_columns_mask(a: np.ndarray, ratio: float, min_fiber_len: int) -> np.n
 def joined_columns_shape(shape, min_fiber_len: int):
     """The matrix view of joined_columns_mask: ``[d0 * g, cols / g]`` where columns are short, else
     ``[d0, cols]``."""
-    rows = int(shape[0])
-    cols = int(np.prod(shape[1:]))
-    if rows >= min_fiber_len:
-        return rows, cols
-    g = next((d for d in range(1, cols + 1) if cols % d == 0 and d * rows >= min_fiber_len), cols)
-    return rows * g, cols // g
+    cols_view, rows_view = joined_rows_shape((int(np.prod(shape[1:])), int(shape[0])), min_fiber_len)
+    return rows_view, cols_view  # joined_rows_shape with the roles of rows and columns swapped
 
 
 def topk_mask(a: np.ndarray, ratio: float) -> np.ndarray:

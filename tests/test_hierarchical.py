@@ -96,10 +96,10 @@ def plan(case, shape):
     if kind == "adtopk":
         if len(shape) < 2:
             return "dense", None
-        rows, cols = view_of(case, shape)
         if kw.get("min_fiber_len"):
-            axis = joined_view(shape, kw["min_fiber_len"], kw["ratio"], kw.get("join", "rows"))[1]
+            (rows, cols), axis = joined_view(shape, kw["min_fiber_len"], kw["ratio"], kw.get("join", "rows"))
         else:
+            rows, cols = view_of(case, shape)
             axis = ref.resolve_axis(rows, cols, kw["axis"], kw["ratio"])
         if not ref.adtopk_is_sparse((rows, cols), kw["ratio"], axis, elem, elem, 0):
             return "dense", None
