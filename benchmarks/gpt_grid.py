@@ -82,11 +82,13 @@ METHODS: Dict[str, tuple] = {
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
     "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1"]),
     # short rows joined: every fiber at least 2,048 entries (16 rows of the width-128 GPT, k = 20 at 0.01)
-    "adtopk01_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "2048"]),
+    "adtopk01_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "2048",
+                                      "--fiber-join", "rows"]),
     "adtopk01_joincols2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "2048",
                                           "--fiber-join", "columns"]),
     # the same at Top-k 0.01's bytes (ratio 0.013: 76,944 payload bytes per step on the matrices against 78,550)
-    "adtopk013_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.013", "--min-fiber-len", "2048"]),
+    "adtopk013_join2048": ("horovod", ["--compressor", "adtopk", "--ratio", "0.013", "--min-fiber-len", "2048",
+                                       "--fiber-join", "rows"]),
     # the paper's interleaving: fiber rounds alternate with global top-k rounds
     "adtopki01": ("horovod", ["--compressor", "adtopk_i", "--ratio", "0.01", "--min-fiber-len", "1"]),
     "psgd4": ("horovod", ["--compressor", "powersgd", "--powersgd-rank", "4"]),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import horovod_adtopk as hat
-from examples.job import build, channels, checkpoints, data, engine, logs, options
+from examples.job import build, channels, checkpoints, data, engine, logs, options, resume
 from tests.harness import REPO, run_command
 
 TRAIN = str(REPO / "examples" / "train.py")
@@ -117,7 +117,8 @@ def test_compressor_built_from_the_flags_carries_the_warmup():
 
 
 def test_min_fiber_len_reaches_the_compressor_and_the_settings_line():
-    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--min-fiber-len", "2048"])
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--min-fiber-len", "2048",
+                               "--fiber-join", "rows"])
     comp = engine.make_compression(args)
     assert comp.config()["min_fiber_len"] == 2048
     lay = comp.layout(hat.compressors.TensorInfo("qkv", (384, 128), 384 * 128, torch.float32))
@@ -126,30 +127,54 @@ def test_min_fiber_len_reaches_the_compressor_and_the_settings_line():
     assert "min_fiber_len" not in engine.make_compression(options.parse_args([])).config()
 
 
-def test_fiber_join_columns_reaches_the_compressor_and_the_settings_line():
-    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--fiber-join", "columns"])
+@pytest.mark.parametrize("extra", [[], ["--fiber-join", "columns"], ["--min-fiber-len", "2048"]])
+def test_fiber_join_columns_reaches_the_compressor_and_the_settings_line(extra):
+    # columns: the GPT's default every step, said or not, with its default L or an explicit one
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *extra])
+    assert args.fiber_join == "columns"
     comp = engine.make_compression(args)
     assert comp.config()["min_fiber_len"] == 2048 and comp.config()["join"] == "columns"  # the GPT's default L
     lay = comp.layout(hat.compressors.TensorInfo("qkv", (384, 128), 384 * 128, torch.float32))
     assert (lay.num_fibers, lay.fiber_len, lay.k, lay.axis) == (16, 3072, 30, 0)  # 8 columns a fiber
     assert "short columns joined into fibers of >= 2048 entries" in options.describe_compression(args)
-    # rows, said or not, is the library's default: nothing in the configuration, as before the flag
-    for extra in ([], ["--fiber-join", "rows"]):
-        args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *extra])
+
+
+def test_fiber_join_rows_is_the_librarys_default_in_the_configuration():
+    # rows, said for the GPT or the default elsewhere: nothing in the configuration, as before the flag
+    for argv in (["--dataset", "shakespeare", "--model", "gpt", "--fiber-join", "rows"],
+                 ["--compressor", "adtopk", "--min-fiber-len", "2048"]):
+        args = options.parse_args(argv)
         assert args.fiber_join is None and "join" not in engine.make_compression(args).config()
+        assert "short rows joined into fibers of >= 2048 entries" in options.describe_compression(args)
+    for argv in (["--dataset", "shakespeare", "--model", "gpt", "--compressor", "topk"],
+                 ["--dataset", "shakespeare", "--model", "gpt", "--sync-every", "10"],
+                 ["--dataset", "shakespeare", "--model", "gpt", "--min-fiber-len", "1"]):
+        assert options.parse_args(argv).fiber_join is None  # no joined fibers, nothing to join
+
+
+def test_a_resume_refused_for_the_new_gpt_default_says_which_flag_continues_it():
+    # a GPT checkpoint from before columns became the default says rows (None); the run now says columns
+    args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt"])
+    config = dict({k: getattr(args, k, None) for k in resume.RESUME_KEYS}, world_size=2)
+    old = dict(config, fiber_join=None)
+    assert config["fiber_join"] == "columns"
+    assert "--fiber-join rows continues" in resume.resume_hint(old, config, elastic=False)
+    assert resume.resume_hint(config, old, elastic=False) == ""  # the other way round a flag is not the answer
+    assert "--elastic" in resume.resume_hint(dict(config, world_size=4), config, elastic=False)
+    assert resume.resume_hint(dict(config, world_size=4), config, elastic=True) == ""
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--compressor", "adtopk"], 2048),                      # the GPT every step: short rows joined
+    (["--compressor", "adtopk"], 2048),                      # the GPT every step: short columns joined
     (["--compressor", "adtopk_i"], 2048),
     (["--compressor", "adtopk", "--min-fiber-len", "1"], 1),  # turned off
     (["--compressor", "topk"], None),                        # not a fiber rule
     (["--compressor", "adtopk", "--sync-every", "10"], None),  # a sparse outer exchange keeps the paper's fibers
 ])
-def test_gpt_joins_short_rows_by_default_every_step(argv, expected):
+def test_gpt_joins_short_columns_by_default_every_step(argv, expected):
     args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", *argv])
     assert args.min_fiber_len == expected
-    assert ("short rows joined" in options.describe_compression(args)) == (expected == 2048)
+    assert ("short columns joined" in options.describe_compression(args)) == (expected == 2048)
     assert options.parse_args(["--compressor", "adtopk"]).min_fiber_len is None  # the CNN: unchanged
 
 

@@ -54,8 +54,9 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
                         "least this many entries (a narrow transformer's 128-entry rows keep k = 1 each otherwise; "
                         "default: 2048 for --model gpt every step, else none; 1 turns it off)")
     p.add_argument("--fiber-join", choices=("rows", "columns"), default=None,
-                   help="with --min-fiber-len: join whole adjacent rows (default), or whole columns (every row of "
-                        "every (cols/g)-th column: one budget across a fused qkv's q, k and v)")
+                   help="with --min-fiber-len: join whole adjacent rows, or whole columns (every row of every "
+                        "(cols/g)-th column: one budget across a fused qkv's q, k and v) (default: columns for "
+                        "--model gpt every step, else rows)")
     p.add_argument("--min-numel", type=int, default=None,
                    help="tensors with fewer elements travel dense (sparse compressors; default: the package's 1024)")
 
@@ -442,6 +443,11 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.fiber_join is not None and (args.min_fiber_len or 1) <= 1:
         p.error("--fiber-join says how --min-fiber-len joins short fibers: give --min-fiber-len L > 1 too "
                 "(or, with --model gpt every step, leave --min-fiber-len out for its default 2048)")
+    if (args.fiber_join is None and args.model == "gpt" and args.compressor in FIBER_RULES and not args.sync_every
+            and (args.min_fiber_len or 1) > 1):
+        # the transformer's default: whole columns joined, so every fiber of the fused qkv spans q, k and v;
+        # at 2,000 steps 1.560 +- 0.001 against joined rows' 1.572 +- 0.008 (BENCHMARKS.md 3l)
+        args.fiber_join = "columns"
     if args.fiber_join == "rows" or (args.min_fiber_len or 1) <= 1:
         args.fiber_join = None  # rows, the library's default: None, as checkpoints from before the flag say
     if args.compressor == "powersgd":

@@ -148,9 +148,8 @@ def resume(job: Job) -> Progress:
     diffs += world_change_diffs(job, ckpt) if elastic else []
     if diffs:
         if job.rank == 0:
-            hint = ("" if elastic or "world_size" not in " ".join(diffs) else
-                    " (--engine ddp --elastic resumes at another world size)")
-            LOG.error(f"cannot resume from {path}, the run settings differ: " + "; ".join(diffs) + hint)
+            LOG.error(f"cannot resume from {path}, the run settings differ: " + "; ".join(diffs)
+                      + resume_hint(saved, job.config, elastic))
         raise JobFailed(2)
     _restore(job, ckpt, progress, world_changed)
     if elastic:
@@ -162,6 +161,17 @@ def resume(job: Job) -> Progress:
     LOG.info(f"resumed from {path} at step {progress.step} "
              f"(epoch {progress.epoch + 1}, batch {progress.batch}/{job.steps_per_epoch})")
     return progress
+
+
+def resume_hint(saved: dict, now: dict, elastic: bool) -> str:
+    """What to do about settings that differ from a checkpoint's, where a flag fixes it ("" otherwise)."""
+    hint = ""
+    if not elastic and saved.get("world_size") != now.get("world_size"):
+        hint += " (--engine ddp --elastic resumes at another world size)"
+    if "fiber_join" in saved and saved["fiber_join"] is None and now.get("fiber_join") == "columns":
+        hint += (" (--fiber-join rows continues a run that joined rows, such as a GPT run from before columns "
+                 "became its default)")
+    return hint
 
 
 def _restore(job: Job, ckpt: dict, progress: Progress, world_changed: bool = False) -> None:
