@@ -7,9 +7,9 @@ How to run (from the repository root, the native kernel built)::
     python benchmarks/bench_kernel_paths.py --repeats 5 --dtypes float32 float16 bfloat16
 
 For every shape (the 25M MLP's weight matrices, VGG-16 fc6/fc7, BERT-base embeddings and layer matrices,
-a ResNet-50 3x3 conv, GPT-2 small's token embedding and fused qkv) it times the fused error-feedback selection the optimizer runs on the CPU:
+a ResNet-50 3x3 conv, GPT-2 small's token embedding and fused qkv, the job's 1 M-parameter GPT's matrices) it times the fused error-feedback selection the optimizer runs on the CPU:
 ``kernels.adtopk_select(r, rows, cols, axis, k, grad=g, zero_sent=True)`` (``r += g``, per-fiber top-k,
-sent entries zeroed), in five configurations, interleaved repeat by repeat (so a change of machine load
+sent entries zeroed), in seven configurations, interleaved repeat by repeat (so a change of machine load
 hits all of them alike):
 
 - ``before``: the old "auto" (fibers along the longer axis), the scalar first pass (``HOROVOD_ADTOPK_SIMD=0``),
@@ -22,7 +22,9 @@ hits all of them alike):
   of the keys where block maxima cannot bound the k-th key);
 - ``rule+2t``: as ``rule`` with 2 torch threads (fibers split between threads);
 - ``join``: as ``rule`` on the layout of ``min_fiber_len`` (``--min-fiber-len``, 2048 by default): rows shorter
-  than that joined into fibers of whole adjacent rows (``selection.fiber_layout``), one thread.
+  than that joined into fibers of whole adjacent rows (``selection.fiber_layout``), one thread;
+- ``joincols``: the same with whole columns joined (``join="columns"``: the view ``[rows * g, cols / g]``, its
+  columns the fibers), one thread.
 
 and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``
 (``r.add_(g)``: reads r and g, writes r, the bytes the fused selection must move at least, so its time is
@@ -51,8 +53,11 @@ SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 409
           "bert.ffn_out [768,3072]": (768, 3072), "bert.attn [768,768]": (768, 768),
           "resnet50.conv3x3 [256,2304]": (256, 2304),
           # GPT-2 small (its attention, MLP and projection matrices share BERT-base's shapes above)
-          "gpt2.wte [50257,768]": (50257, 768), "gpt2.c_attn [2304,768]": (2304, 768)}
-CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t", "join")
+          "gpt2.wte [50257,768]": (50257, 768), "gpt2.c_attn [2304,768]": (2304, 768),
+          # the job's GPT (width 128, examples/models.py): fused qkv, attention projection, MLP in and out
+          "gpt1m.qkv [384,128]": (384, 128), "gpt1m.attn_proj [128,128]": (128, 128),
+          "gpt1m.fc [512,128]": (512, 128), "gpt1m.proj [128,512]": (128, 512)}
+CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t", "join", "joincols")
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -64,8 +69,9 @@ def timed(fn: Callable[[], None]) -> float:
 def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float, min_fiber_len: int) -> float:
     """Seconds of one fused selection of ``name`` on fresh copies of r."""
     rows, cols = r.shape
-    if name == "join":
-        lay = selection.fiber_layout(tuple(r.shape), ratio, "auto", min_fiber_len)
+    if name in ("join", "joincols"):
+        lay = selection.fiber_layout(tuple(r.shape), ratio, "auto", min_fiber_len,
+                                     "columns" if name == "joincols" else "rows")
         rows, cols, axis, k = lay.rows, lay.cols, lay.axis, lay.k
     else:
         old_axis = 1 if cols >= rows else 0
@@ -105,8 +111,15 @@ def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int, min_fib
     out["axis_before"] = 1 if cols >= rows else 0
     out["axis_rule"] = selection.resolve_axis(rows, cols, "auto", ratio)
     out["join_layout"] = list(dataclasses.astuple(selection.fiber_layout(shape, ratio, "auto", min_fiber_len))[1:])
+    out["joincols_layout"] = list(dataclasses.astuple(
+        selection.fiber_layout(shape, ratio, "auto", min_fiber_len, "columns"))[1:])
     out["add_gbytes_per_s"] = 3 * r.numel() * r.element_size() / out["add"] / 1e9
     return out
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds with three significant digits (the job's GPT matrices take tens of microseconds)."""
+    return f"{seconds * 1e3:.3g}"
 
 
 def main() -> int:
@@ -126,18 +139,19 @@ def main() -> int:
     report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats,
               "min_fiber_len": a.min_fiber_len, "results": {}}
     head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
-            "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "add GB/s"]
+            "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "joincols/read", "add GB/s"]
     rows = []
     for dt in a.dtypes:
         for name in (short[n] for n in a.shapes):
             shape = SHAPES[name]
             m = measure_shape(shape, getattr(torch, dt), a.ratio, a.repeats, a.min_fiber_len)
             report["results"][f"{name} {dt}"] = m
-            rows.append([name, dt, f"{m['axis_before']}->{m['axis_rule']}", *[f"{m[c] * 1e3:.1f}" for c in CONFIGS],
-                         f"{m['read'] * 1e3:.2f}", f"{m['add'] * 1e3:.2f}", f"{m['legacy'] / m['rule']:.2f}",
+            rows.append([name, dt, f"{m['axis_before']}->{m['axis_rule']}", *[ms(m[c]) for c in CONFIGS],
+                         ms(m['read']), ms(m['add']), f"{m['legacy'] / m['rule']:.2f}",
                          f"{m['before'] / m['add']:.1f}",
                          f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['rule'] / m['join']:.2f}",
-                         f"{m['join'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
+                         f"{m['join'] / m['read']:.1f}", f"{m['joincols'] / m['read']:.1f}",
+                         f"{m['add_gbytes_per_s']:.1f}"])
             print(rows[-1], flush=True)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     text = common.table(head, rows)
