@@ -55,6 +55,11 @@ CASES = [
     {"name": "adtopk_2bit_grouped_cols", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 0, **SPARSE_KW},
      "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2, "value_group": 10}},
+    # whole columns joined (the GPT job's fiber layout): W [16, 24] -> view [48, 8], 8 fibers of 48 keeping 12,
+    # 2-bit levels shared by runs of 2 fibers
+    {"name": "adtopk_joined_columns_2bit_grouped", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "min_fiber_len": 48, "join": "columns", **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2, "value_group": 20}},
     # dense low-bit: every entry as a code (Compression.none + value_bits), levels per row / per run of rows
     {"name": "dense_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
      "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2}},
@@ -85,8 +90,16 @@ def grads(w, b, x, y):
     return {"weight": r.T @ x, "bias": r.sum(0)}
 
 
+def joined(case):
+    """The min_fiber_len of a case whose short columns are joined (``join="columns"``), else False."""
+    kw = case.get("kwargs", {})
+    return kw.get("join") == "columns" and kw["min_fiber_len"]
+
+
 def select_mask(case, a):
     kind = case.get("compressor", "none")
+    if kind == "adtopk" and joined(case):
+        return ref.joined_columns_mask(a, case["kwargs"]["ratio"], case["kwargs"]["min_fiber_len"])
     if kind == "adtopk":
         return ref.adtopk_mask(a, case["kwargs"]["ratio"], case["kwargs"]["axis"])
     if kind == "topk":
@@ -133,7 +146,11 @@ def numpy_local_steps(case, initial, world):
                     else:
                         mask = select_mask(case, a)
                         mine[n] = np.where(mask, a, 0.0)
-                        if o.get("value_bits"):  # carried values, the rest stays in e (module docstring)
+                        if o.get("value_bits") and joined(case):  # levels per fiber: the joined view's columns
+                            view = ref.joined_columns_shape(a.shape, joined(case))
+                            mine[n] = ref.quantize_sparse(a.reshape(view), mask.reshape(view), o["value_bits"], 0,
+                                                          o.get("value_group")).reshape(a.shape)
+                        elif o.get("value_bits"):  # carried values, the rest stays in e (module docstring)
                             axis = case["kwargs"].get("axis") if case["compressor"] == "adtopk" else None
                             mine[n] = ref.quantize_sparse(a, mask, o["value_bits"], axis, o.get("value_group"))
                         resid[r][n] = a - mine[n]
@@ -227,7 +244,10 @@ def low_bit_bytes(case) -> int:
     indices, padded to 8 bytes), the model's float64 during the warm-up syncs, and the bias as bfloat16."""
     o, kw = case["outer"], case["kwargs"]
     bits = o["value_bits"]
-    fibers, fiber_len = (OUT, IN) if kw["axis"] == 1 else (IN, OUT)
+    if joined(case):  # the joined view's columns: [OUT * g, IN / g]
+        fiber_len, fibers = ref.joined_columns_shape((OUT, IN), joined(case))
+    else:
+        fibers, fiber_len = (OUT, IN) if kw["axis"] == 1 else (IN, OUT)
     k = int(np.floor(kw["ratio"] * fiber_len))
     run = ref.fiber_run(fibers, k, o.get("value_group"))
     count, width = fibers * k, int(np.ceil(np.log2(fiber_len)))
