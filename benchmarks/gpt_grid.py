@@ -123,6 +123,11 @@ METHODS: Dict[str, tuple] = {
         (10, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 1), (12, "adtopk", "05", True, 2),
         (12, "adtopk", "05", True, 1), (15, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 2, 64),
         (12, "adtopk", "05", True, 2, 64), (10, "adtopk", "05", True, 1, 64)]},
+    # the same with whole columns joined into fibers of >= 2,048 entries (the per-step GPT default's layout) at
+    # ratio 0.04: 12-bit indices instead of 7 but one set of levels per fiber, the bytes of 0.05 with the paper's
+    # fibers (0.99x per sync)
+    "sparseloco12_adtopk04_decay95_q2g64_joincols2048": ("horovod", sparseloco(12, "adtopk", "04", True, 2, 64) + [
+        "--min-fiber-len", "2048", "--fiber-join", "columns"]),
     # dense low-bit outer exchange: no indices, every entry a 1- or 2-bit code (levels per >= N entries), its
     # rounding in the error-feedback memory; under 0.2% of dense's bytes on the GPT at these H
     "diloco16_q1g1024": ("horovod", low_bit_dense(16, 1, 1024)),
