@@ -21,9 +21,9 @@
 #                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
 #                    JSON in $OUT/ddp_check.json.
 #   5. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
-#                    ADTopk (the per-step hook) for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
+#                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default) for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
 #                    on a text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
-#                    checks that it ran on cuda, compressed (density < 0.1) and ended with a finite loss.
+#                    checks that it ran on cuda with joined columns, compressed (density < 0.1) and ended with a finite loss.
 #                    Summary in $OUT/gpt.json.
 #   6. gpt_local     the same job with local steps and the SparseLoCo-style outer exchange (ADTopk 0.05, H = 5,
 #                    outer SGD lr 1, error feedback decayed by 0.95, 2-bit values: horovod_adtopk/quantize.py on
@@ -274,7 +274,7 @@ PYEOF
 }
 
 gpt() {
-    gpt_job gpt 0.1 "compressor adtopk" --bf16 --compressor adtopk --ratio 0.01 --no-warmup --error-feedback-on gradient
+    gpt_job gpt 0.1 "short columns joined" --bf16 --compressor adtopk --ratio 0.01 --no-warmup --error-feedback-on gradient
 }
 
 gpt_local() {  # density counts elements: about 0.05 / 5 for the sparse tensors, plus the dense 1-D ones
