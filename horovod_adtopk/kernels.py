@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["adtopk_select", "topk_select", "threshold_select", "fiber_threshold_select", "count_at_least",
+__all__ = ["adtopk_select", "new_hint", "topk_select", "threshold_select", "fiber_threshold_select", "count_at_least",
            "backend", "describe", "native_available"]
 
 try:  # built by setup.py when a compiler and torch were available at install time
@@ -206,7 +206,7 @@ def _torch_count_at_least(a, t):
 
 
 def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad: Optional[torch.Tensor] = None,
-                  zero_sent: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                  zero_sent: bool = False, hint: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Exact per-fiber top-k of ``|a|`` with ``a`` viewed as ``[rows, cols]``.
 
     Fibers are rows (``axis=1``, length ``cols``) or columns (``axis=0``, length ``rows``). If ``grad`` is
@@ -214,21 +214,44 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
     (signed entries of ``a``, a's dtype) and ``local`` (int64 positions inside the fiber, ascending within
     each fiber), both ``[num_fibers, k]`` fiber-major. With ``zero_sent``, the selected entries of ``a`` are
     set to 0 after being read.
+
+    ``hint``: optional thresholds carried from one call to the next on the same memory (a float64 CPU tensor
+    of ``num_fibers`` entries, zeros at first, updated in place; see :func:`new_hint`). It only makes the
+    native CPU kernel faster, where a fiber's k-th key moves little from step to step (the entries reaching
+    the hint are the candidates, with no block maxima or sample); the result is the same with or without it,
+    bit for bit. The other backends, and the native kernel's tiled walk for short column fibers, ignore it.
     """
     _check_tensor(a)
     _check_grad(a, grad)
     fibers, n = _check_matrix(a, rows, cols, axis)
     k = _check_k(k, n, "fiber length")
+    _check_hint(hint, fibers)
     if k == 0:
         return _nothing(a, grad, fibers)
     rows, cols, axis = int(rows), int(cols), int(axis)
     impl = backend(a)
     if impl == "native-cpu":
-        values, local = _native.adtopk_select(a, rows, cols, axis, k, grad, bool(zero_sent))
+        values, local = _native.adtopk_select(a, rows, cols, axis, k, grad, bool(zero_sent), hint)
         return values, local
     if impl == "triton":
         return _triton().adtopk_select(a, rows, cols, axis, k, grad=grad, zero_sent=zero_sent)
     return _torch_adtopk_select(a, rows, cols, axis, k, grad, zero_sent)
+
+
+def new_hint(num_fibers: int) -> torch.Tensor:
+    """A fresh ``hint`` for :func:`adtopk_select`: no threshold known yet for any fiber."""
+    return torch.zeros(int(num_fibers), dtype=torch.float64)
+
+
+def _check_hint(hint: Optional[torch.Tensor], fibers: int) -> None:
+    if hint is None:
+        return
+    if (not isinstance(hint, torch.Tensor) or hint.dtype != torch.float64 or hint.device.type != "cpu"
+            or not hint.is_contiguous() or hint.numel() != fibers):
+        got = (f"{hint.dtype} {tuple(hint.shape)} on {hint.device}" if isinstance(hint, torch.Tensor)
+               else type(hint).__name__)
+        raise ValueError(f"hint must be a contiguous float64 CPU tensor with one entry per fiber ({fibers}), "
+                         f"got {got}; make one with kernels.new_hint({fibers}) and pass it back on every call")
 
 
 def topk_select(a: torch.Tensor, k: int, grad: Optional[torch.Tensor] = None,

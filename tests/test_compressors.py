@@ -146,3 +146,40 @@ def test_dgc_momentum_correction_rule():
     a = mem.compensate("p", g2)
     # u = 0.5*[1,2,0] + 1 = [1.5, 2, 1]; v = [1,2,0] + u = [2.5, 4, 1]
     assert torch.allclose(a, torch.tensor([2.5, 4.0, 1.0]))
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("shape,kwargs", [((96, 768), {}), ((3072, 64), {}), ((384, 128), {"min_fiber_len": 2048}),
+                                          ((384, 128), {"min_fiber_len": 2048, "join": "columns"})])
+def test_adtopk_error_feedback_with_the_kernel_hint(monkeypatch, native, shape, kwargs):
+    """The compressor carries a selection hint per tensor from step to step on the native CPU kernel (speed
+    only): error feedback over several steps still selects exactly numpy's per-fiber top-k of the memory
+    plus the gradient, and leaves exactly the rest, on rows, columns and joined layouts."""
+    from horovod_adtopk import kernels
+    if native == "1" and not kernels.native_available():
+        pytest.skip("native extension not built")
+    monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", native)
+    c = Compression.adtopk(0.01, **kwargs)
+    gen = torch.Generator().manual_seed(11)
+    r = torch.zeros(shape)
+    info = info_of(r, "blocks.0.w")
+    mem = np.zeros(shape)
+    for step in range(8):
+        g = torch.randn(shape, generator=gen) * (0.1 if step == 5 else 1.0)
+        s = c.select(r, info, step, grad=g.clone(), zero_sent=True)
+        acc32 = (torch.from_numpy(mem).float() + g).numpy()
+        if kwargs.get("min_fiber_len"):
+            m = acc32.reshape(ref.joined_columns_shape(shape, 2048) if kwargs.get("join") == "columns"
+                              else ref.joined_rows_shape(shape, 2048))
+            want = ref.adtopk_mask(m, 0.01, 0 if kwargs.get("join") == "columns" else 1).reshape(shape)
+        else:
+            want = ref.adtopk_mask(acc32, 0.01, "auto")
+        got = np.isin(np.arange(r.numel()), s.flat.numpy()).reshape(shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
+        np.testing.assert_array_equal(r.numpy(), np.where(want, 0.0, acc32), err_msg=f"step {step}")
+        mem = r.numpy().astype(np.float64)
+    hint = next(iter(c._codecs.values()))._hint
+    if native == "1":
+        assert hint is not None and (hint > 0).all()
+    else:
+        assert hint is None

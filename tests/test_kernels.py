@@ -507,3 +507,73 @@ def test_selection_paths_identical_to_legacy_and_reference(monkeypatch, dtype):
                                                                     "from the legacy scalar path")
     finally:
         torch.set_num_threads(threads)
+
+
+# --- hints: thresholds carried from step to step ------------------------------------------------------------------
+
+# (rows, cols, axis, k): rows with block-maxima thresholds (k a small share), with sampled thresholds (k a
+# large share), k == 1, rows short enough that every entry is a candidate (768-long rows as in BERT and GPT-2);
+# column slabs with block maxima and with sampled thresholds, and the tiled walk of short columns (which
+# leaves the hint as it is).
+HINT_CASES = [(64, 768, 1, 7), (40, 768, 1, 38), (50, 1000, 1, 1), (30, 40, 1, 9), (17, 300, 1, 300),
+              (768, 20, 0, 7), (300, 24, 0, 60), (40, 30, 0, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hint_gives_the_same_selection_step_after_step(impl, monkeypatch, dtype):
+    """Error feedback over many steps with a hint carried along (the optimizer's use), against the same steps
+    without one and against the numpy reference each step: identical values, positions and residuals, bit for
+    bit. The gradient scale falls and rises so that, on the native kernel, some fibers reach their hint with k
+    or more entries (the hinted pass decides) and some with fewer (the usual selection takes over); the test
+    checks that both happened. Ties, NaN and +-Inf ride along. The fallback and column fibers ignore hints."""
+    threads = torch.get_num_threads()
+    both = {(axis, what): 0 for axis in (0, 1) for what in ("hinted", "fallback")}
+    try:
+        for i, (rows, cols, axis, k) in enumerate(HINT_CASES):
+            nf, n = (rows, cols) if axis == 1 else (cols, rows)
+            for nt in (1, 2):
+                torch.set_num_threads(nt)
+                r_plain = torch.zeros(rows * cols, dtype=dtype)
+                r_hint = r_plain.clone()
+                hint = K.new_hint(nf)
+                for step in range(14):
+                    scale = [1.0, 1.0, 1.0, 0.05, 0.05, 1.0, 8.0, 1.0, 1.0, 0.3, 1.0, 1.0, 0.01, 1.0][step]
+                    kind = "ints" if step == 8 else "normal"
+                    g = (make((rows * cols,), torch.float64, kind=kind, seed=1000 * i + step,
+                              special=0.002 if step == 10 else 0.0) * scale).to(dtype)
+                    acc = as_np(r_plain + g).reshape(rows, cols)
+                    if impl == "native" and step > 0:
+                        fib = keys(acc if axis == 1 else acc.T)
+                        reach = (fib >= hint.numpy()[:, None]).sum(axis=1)
+                        live = hint.numpy() > 0
+                        both[(axis, "hinted")] += int(((reach >= k) & live).sum())
+                        both[(axis, "fallback")] += int(((reach < k) & live).sum())
+                    v1, l1 = K.adtopk_select(r_plain, rows, cols, axis, k, grad=g, zero_sent=True)
+                    v2, l2 = K.adtopk_select(r_hint, rows, cols, axis, k, grad=g, zero_sent=True, hint=hint)
+                    where = f"{(rows, cols, axis, k)} {dtype} step {step} threads {nt}"
+                    assert torch.equal(l1, l2), where
+                    np.testing.assert_array_equal(_bits(v1), _bits(v2), err_msg=where)
+                    np.testing.assert_array_equal(_bits(r_plain), _bits(r_hint), err_msg=where)
+                    mask = check_fibers(acc, axis, k, v2, l2)
+                    if impl == "native":
+                        np.testing.assert_array_equal(mask, ref.adtopk_mask(acc, ratio_for(k, n), axis), err_msg=where)
+                    np.testing.assert_array_equal(as_np(r_hint).reshape(rows, cols), np.where(mask, 0.0, acc),
+                                                  err_msg=where)
+                if impl == "torch" or (rows, cols) == (40, 30):
+                    assert not hint.any(), "the fallback and the tiled walk must leave the hint alone"
+                else:
+                    assert hint.any(), where
+    finally:
+        torch.set_num_threads(threads)
+    if impl == "native":
+        assert all(v > 0 for v in both.values()), both
+
+
+def test_bad_hint_rejected():
+    a = torch.randn(4, 5)
+    for bad, why in [(torch.zeros(4), "float32"), (torch.zeros(5, dtype=torch.float64), "5 entries"),
+                     (torch.zeros(8, dtype=torch.float64)[::2], "not contiguous"), ([0.0] * 4, "a list")]:
+        with pytest.raises(ValueError, match="kernels.new_hint\\(4\\)"):
+            K.adtopk_select(a, 4, 5, 1, 2, hint=bad)
+    with pytest.raises(ValueError, match="one entry per fiber \\(5\\)"):
+        K.adtopk_select(a, 4, 5, 0, 2, hint=K.new_hint(4))

@@ -70,7 +70,8 @@ class ADTopkCompressor(SparseCompressor):
     def _fiber_topk(self, a, codec, grad=None, zero_sent=False) -> Selection:
         lay = codec.layout
         values, local = kernels.adtopk_select(_contiguous(a), lay.rows, lay.cols, lay.axis, lay.k,
-                                              None if grad is None else _contiguous(grad), zero_sent)
+                                              None if grad is None else _contiguous(grad), zero_sent,
+                                              hint=codec.hint(a))
         return Selection(values.reshape(-1), codec.to_flat(local), local.reshape(-1), codec)
 
     def _select_fused(self, a, info, step, grad, zero_sent) -> Selection:

@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - exercised where Horovod is absent
 
     NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
+from .. import kernels
 from .. import selection as sel
 from ..memory import check_momentum
 from ..wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
@@ -51,6 +52,17 @@ class FiberCodec:
         self.index_dtype = index_dtype_for(layout.fiber_len - 1)
         self.count: Optional[int] = layout.count
         self._bases: Dict[torch.device, torch.Tensor] = {}
+        self._hint: Optional[torch.Tensor] = None
+
+    def hint(self, a: torch.Tensor) -> Optional[torch.Tensor]:
+        """The selection hint this tensor's fibers carry from step to step (:func:`kernels.adtopk_select`), where
+        it helps: the native CPU kernel. Speed only: the selection is the same without it, so it is neither
+        saved nor exchanged, and a new codec (a new layout) starts without one."""
+        if kernels.backend(a) != "native-cpu":
+            return None
+        if self._hint is None:
+            self._hint = kernels.new_hint(self.layout.num_fibers)
+        return self._hint
 
     def bases(self, device: torch.device) -> torch.Tensor:
         b = self._bases.get(device)
