@@ -24,7 +24,13 @@ hits all of them alike):
 - ``join``: as ``rule`` on the layout of ``min_fiber_len`` (``--min-fiber-len``, 2048 by default): rows shorter
   than that joined into fibers of whole adjacent rows (``selection.fiber_layout``), one thread;
 - ``joincols``: the same with whole columns joined (``join="columns"``: the view ``[rows * g, cols / g]``, its
-  columns the fibers), one thread.
+  columns the fibers), one thread;
+- ``steady``: as ``rule``, on the error-feedback memory after 8 steps of the optimizer's use (``r += g_t``,
+  per-fiber top-k, sent entries zeroed, ``g_t`` the gradient rolled a different way each step) instead of on
+  ``r`` itself;
+- ``hinted``: ``steady`` with the hint those 8 steps carried (``kernels.adtopk_select(..., hint=)``, what the
+  optimizer passes on the CPU: row fibers only, so it equals ``steady`` where the rule picks columns);
+- ``join+hint``: the same on the ``join`` layout.
 
 and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``
 (``r.add_(g)``: reads r and g, writes r, the bytes the fused selection must move at least, so its time is
@@ -57,7 +63,8 @@ SHAPES = {"mlp.fc1 [4096,2048]": (4096, 2048), "mlp.fc2 [4096,4096]": (4096, 409
           # the job's GPT (width 128, examples/models.py): fused qkv, attention projection, MLP in and out
           "gpt1m.qkv [384,128]": (384, 128), "gpt1m.attn_proj [128,128]": (128, 128),
           "gpt1m.fc [512,128]": (512, 128), "gpt1m.proj [128,512]": (128, 512)}
-CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t", "join", "joincols")
+CONFIGS = ("before", "simd", "legacy", "rule", "rule+2t", "join", "joincols", "steady", "hinted", "join+hint")
+STEADY_STEPS = 8  # error-feedback steps before the steady-state configurations are timed
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -66,17 +73,38 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float, min_fiber_len: int) -> float:
-    """Seconds of one fused selection of ``name`` on fresh copies of r."""
-    rows, cols = r.shape
-    if name in ("join", "joincols"):
-        lay = selection.fiber_layout(tuple(r.shape), ratio, "auto", min_fiber_len,
+def layout_of(name: str, shape, ratio: float, min_fiber_len: int):
+    """``(rows, cols, axis, k)`` of a configuration's fibers on a ``shape`` matrix."""
+    rows, cols = shape
+    if name in ("join", "joincols", "join+hint"):
+        lay = selection.fiber_layout(tuple(shape), ratio, "auto", min_fiber_len,
                                      "columns" if name == "joincols" else "rows")
-        rows, cols, axis, k = lay.rows, lay.cols, lay.axis, lay.k
-    else:
-        old_axis = 1 if cols >= rows else 0
-        axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
-        k = selection.keep_count(ratio, cols if axis == 1 else rows)
+        return lay.rows, lay.cols, lay.axis, lay.k
+    old_axis = 1 if cols >= rows else 0
+    axis = old_axis if name in ("before", "simd") else selection.resolve_axis(rows, cols, "auto", ratio)
+    return rows, cols, axis, selection.keep_count(ratio, cols if axis == 1 else rows)
+
+
+def steady_state(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float, min_fiber_len: int):
+    """The error-feedback memory and hint after STEADY_STEPS steps of the optimizer's use (``r += g_t``, top-k
+    per fiber, sent entries zeroed; ``g_t`` the gradient rolled by a different offset each step), from r."""
+    rows, cols, axis, k = layout_of(name, r.shape, ratio, min_fiber_len)
+    state, hint = r.clone(), kernels.new_hint(rows if axis == 1 else cols)
+    for t in range(STEADY_STEPS):
+        kernels.adtopk_select(state, rows, cols, axis, k, grad=g.view(-1).roll(7919 * (t + 1)).view(g.shape),
+                              zero_sent=True, hint=hint)
+    return state, hint
+
+
+def one_config(name: str, r: torch.Tensor, g: torch.Tensor, ratio: float, min_fiber_len: int, steady=None) -> float:
+    """Seconds of one fused selection of ``name`` on fresh copies of r (``steady``: of its steady state and
+    hint, the hint used by ``hinted`` and ``join+hint`` only)."""
+    rows, cols, axis, k = layout_of(name, r.shape, ratio, min_fiber_len)
+    if name in ("steady", "hinted", "join+hint"):
+        state, hint = steady
+        x, h = state.clone(), hint.clone()
+        h = None if name == "steady" else h
+        return timed(lambda: kernels.adtopk_select(x, rows, cols, axis, k, grad=g, zero_sent=True, hint=h))
     os.environ["HOROVOD_ADTOPK_SIMD"] = "0" if name == "before" else "1"
     os.environ["HOROVOD_ADTOPK_LEGACY_SELECT"] = "1" if name in ("before", "simd", "legacy") else "0"
     torch.set_num_threads(2 if name.endswith("2t") else 1)
@@ -94,9 +122,11 @@ def measure_shape(shape, dtype: torch.dtype, ratio: float, repeats: int, min_fib
     r = torch.randn(shape, generator=gen).to(dtype)
     g = torch.randn(shape, generator=gen).to(dtype)
     times: Dict[str, List[float]] = {c: [] for c in (*CONFIGS, "read", "add")}
+    steady = {"rule": steady_state("rule", r, g, ratio, min_fiber_len),
+              "join": steady_state("join", r, g, ratio, min_fiber_len)}
     for rep in range(repeats + 1):  # the first round is a warm-up
         for c in CONFIGS:
-            t = one_config(c, r, g, ratio, min_fiber_len)
+            t = one_config(c, r, g, ratio, min_fiber_len, steady["join" if c == "join+hint" else "rule"])
             if rep:
                 times[c].append(t)
         x = r.clone()
@@ -139,7 +169,8 @@ def main() -> int:
     report = {"machine": common.machine_info(threads=1), "ratio": a.ratio, "repeats": a.repeats,
               "min_fiber_len": a.min_fiber_len, "results": {}}
     head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
-            "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "joincols/read", "add GB/s"]
+            "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "joincols/read",
+            "steady/read", "hinted/read", "join+hint/read", "add GB/s"]
     rows = []
     for dt in a.dtypes:
         for name in (short[n] for n in a.shapes):
@@ -151,7 +182,8 @@ def main() -> int:
                          f"{m['before'] / m['add']:.1f}",
                          f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['rule'] / m['join']:.2f}",
                          f"{m['join'] / m['read']:.1f}", f"{m['joincols'] / m['read']:.1f}",
-                         f"{m['add_gbytes_per_s']:.1f}"])
+                         f"{m['steady'] / m['read']:.1f}", f"{m['hinted'] / m['read']:.1f}",
+                         f"{m['join+hint'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
             print(rows[-1], flush=True)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     text = common.table(head, rows)
