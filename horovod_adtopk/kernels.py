@@ -8,7 +8,9 @@ tie, any valid choice):
 - ``"native-cpu"``: the C++ extension ``horovod_adtopk._C`` (CPU tensors), unless the environment sets
   ``HOROVOD_ADTOPK_NATIVE=0``. It selects exactly without sorting (block maxima give a threshold that is a
   proven lower bound of the k-th largest magnitude), fuses the error-feedback add and the zeroing of sent
-  entries into its passes, and breaks ties towards the lower index (deterministic).
+  entries into its passes, and breaks ties towards the lower index (deterministic). Given a ``hint`` (per
+  fiber, a threshold carried from the last call), the entries reaching it are the candidates when there are
+  at least k of them, with the same result.
 - ``"triton"``: ``horovod_adtopk.triton_kernels`` (CUDA tensors), imported lazily when present.
 - ``"torch"``: the pure-PyTorch fallback below (any device).
 
