@@ -29,7 +29,7 @@ hits all of them alike):
   per-fiber top-k, sent entries zeroed, ``g_t`` the gradient rolled a different way each step) instead of on
   ``r`` itself;
 - ``hinted``: ``steady`` with the hint those 8 steps carried (``kernels.adtopk_select(..., hint=)``, what the
-  optimizer passes on the CPU: row fibers only, so it equals ``steady`` where the rule picks columns);
+  optimizer passes on the CPU; rows and column slabs use it);
 - ``join+hint``: the same on the ``join`` layout.
 
 and two memory references on the same tensors: ``read`` (``g.sum()``, one read pass) and ``add``

@@ -525,7 +525,8 @@ def test_hint_gives_the_same_selection_step_after_step(impl, monkeypatch, dtype)
     without one and against the numpy reference each step: identical values, positions and residuals, bit for
     bit. The gradient scale falls and rises so that, on the native kernel, some fibers reach their hint with k
     or more entries (the hinted pass decides) and some with fewer (the usual selection takes over); the test
-    checks that both happened. Ties, NaN and +-Inf ride along. The fallback and column fibers ignore hints."""
+    checks that both happened, on rows and on column slabs. Ties, NaN and +-Inf ride along. The torch fallback
+    and the tiled walk of short columns leave the hint as it is."""
     threads = torch.get_num_threads()
     both = {(axis, what): 0 for axis in (0, 1) for what in ("hinted", "fallback")}
     try:

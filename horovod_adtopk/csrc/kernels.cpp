@@ -452,8 +452,8 @@ int64_t scan_segment(const T* x, int64_t L, const int64_t* hits, int64_t h, A t,
 //
 // A selection that runs every step on the same error-feedback memory sees its fibers' k-th largest keys move
 // slowly. With a hint per fiber (a threshold below the last call's k-th key), a row fiber takes one fused
-// pass that does x += g and compacts the entries whose key reaches the hint (a slab of column fibers: the add,
-// then the slab's candidate pass against the hints); if at least k did, the fiber's k-th largest key is >=
+// pass that does x += g and compacts the entries whose key reaches the hint (a slab of column fibers: its
+// candidate pass against the hints, with the add fused into it on the AVX2 path); if at least k did, the fiber's k-th largest key is >=
 // the hint, so every entry of its top-k (ties included) is a candidate and finish() gives exactly what the
 // other paths give. A fiber with fewer than k candidates is selected by the usual path (a row, its add
 // already done) or among all of its entries (a column), so exactness never depends on the hint; the hint
