@@ -347,6 +347,37 @@ def test_local_steps_resume_and_last_sync(tmp_path):
         assert fa[key] == fb[key], (key, fa[key], fb[key])
 
 
+def test_elastic_local_steps_end_with_one_model(tmp_path):
+    """The --elastic loop (hvd.elastic.run, one host, 2 ranks, no fault) with --sync-every 3 on the tiny corpus:
+    the schedule ends at step 10, one step into an interval, and the loop syncs it as the plain loop does
+    (opt.sync_now(average=True)). Every rank's final model is the same (the elastic log's end digests), the
+    final checkpoint has no open interval, and its model is the outer parameters of that last sync."""
+    text_dir = tiny_corpus(tmp_path / "text")
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    log, ckpt_dir = tmp_path / "elastic.jsonl", tmp_path / "ckpt"
+    cmd = [HOROVODRUN, "-np", "2", "--min-np", "2", "--max-np", "2", "--network-interface", "lo",
+           "--host-discovery-script", str(discover), "--gloo", sys.executable, TRAIN, *QUICK,
+           *map(str, ["--dataset", "shakespeare", "--data-dir", text_dir, "--seq-len", 16, "--batch-size", 32,
+                      "--lstm-hidden", 32, "--lstm-layers", 1, "--epochs", 2, "--compressor", "adtopk",
+                      "--ratio", "0.05", "--sync-every", 3, "--test-batches", 1, "--no-warmup", "--elastic",
+                      "--commit-every", 5, "--elastic-log", log, "--checkpoint-dir", ckpt_dir])]
+    rc, out, _ = run_command(cmd, timeout=TIMEOUT, env=ENV)
+    check_ok(rc, out, "elastic run with local steps")
+    assert "last sync: the average of the 1 local step(s)" in out
+    ends = [r for r in read_jsonl(log) if r["event"] == "end"]
+    assert sorted(r["rank"] for r in ends) == [0, 1] and {r["step"] for r in ends} == {10}, ends
+    assert len({r["digest"] for r in ends}) == 1, f"the ranks ended with different models: {ends}"
+    ckpt = load_ckpt(latest(ckpt_dir))
+    block = ckpt["optimizer"]["horovod_adtopk"]
+    assert ckpt["step"] == 10 and block["local_steps"]["step"] == 0 and block["local_steps"]["syncs"] == 4
+    assert not any("local_params" in e for e in block["ranks"].values())
+    params = {k: v for k, v in ckpt["model"].items() if k in block["local_steps"]["outer_params"]}
+    assert len(params) == len(block["local_steps"]["outer_params"]) > 0
+    assert_same_tensors(params, block["local_steps"]["outer_params"], "outer parameters")
+
+
 # --------------------------------------------------------------------------------------------------------
 # Launchers and errors
 # --------------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ from .checkpoints import read_checkpoint
 from .common import LOG, JobFailed, agree
 from .data import compute_loss
 from .logs import ProgressReport
-from .loop import describe_run, forward, record, report
+from .loop import describe_run, forward, last_sync, open_interval, record, report
 from .resume import find_checkpoint, save_checkpoint
 from .state import COUNTER_KEYS, Job, Progress
 
@@ -308,6 +308,10 @@ class ElasticTrainer:
                     report.step(self._progress(), loss)
                     if commit_now:
                         self._commit(grad_norm)
+                if state.epoch + 1 >= args.epochs and open_interval(job):
+                    # local steps: the run's end falls inside an interval; one model on every rank, evaluated
+                    # and kept (a failure in this sync rolls back to the last commit like any other)
+                    last_sync(job, open_interval(job))
                 self._end_epoch(report)
             self._finish()
         finally:

@@ -111,8 +111,7 @@ def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> b
     ends with the same model and the final evaluation and checkpoint score and keep it. Where the run stops
     before the end of its schedule (``--max-steps``), a checkpoint of the open interval is written first, so
     ``--resume`` continues it as if the run had not stopped. Collective; returns whether it synced."""
-    sync_now = getattr(job.opt, "sync_now", None)
-    steps = job.opt.stats()["local_steps"]["step_in_interval"] if sync_now is not None else 0
+    steps = open_interval(job)
     if not steps:
         return False
     if job.ckpt_dir is not None and progress.step < schedule_end(job) and job.last_ckpt_step != progress.step:
@@ -120,10 +119,21 @@ def finish_interval(job: Job, progress: Progress, epoch_done: bool = False) -> b
         after = dataclasses.replace(progress, epoch=progress.epoch + 1, batch=0, loss_sum=0.0, loss_count=0) \
             if epoch_done else progress
         save_checkpoint(job, after)
-    sync_now(average=True)
+    last_sync(job, steps)
+    return True
+
+
+def open_interval(job: Job) -> int:
+    """Local steps (``--sync-every``): the steps taken since the last sync (0 without local steps)."""
+    return job.opt.stats()["local_steps"]["step_in_interval"] if hasattr(job.opt, "sync_now") else 0
+
+
+def last_sync(job: Job, steps: int) -> None:
+    """Collective: sync the ``steps`` local steps of the open interval as their average (``sync_now(average=
+    True)``), so that every rank ends with the same model (also the ``--elastic`` loop's end)."""
+    job.opt.sync_now(average=True)
     LOG.info(f"last sync: the average of the {steps} local step(s) since the previous one (every rank now holds "
              "the same model)")
-    return True
 
 
 def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
