@@ -138,6 +138,9 @@ METHODS: Dict[str, tuple] = {
     "update_q1g1024": ("horovod", low_bit_dense(1, 1, 1024, SPARSELOCO_OUTER)),
     # ADTopk on each rank's AdamW update every step (error feedback on the update, DeMo's place for it), 2-bit values
     "update_adtopk10_q2": ("horovod", sparseloco(1, "adtopk", "10", bits=2)),
+    # between the two: ADTopk 0.25 on the pseudo-gradient of 4 local steps, 2-bit values, SparseLoCo's outer step
+    # (about 2% of dense's bytes: issue 28's "ADTopk within 2% of dense at <= 5% of its bytes" by local steps)
+    sparseloco_name(4, "adtopk", "25", True, 2, 64): ("horovod", sparseloco(4, "adtopk", "25", True, 2, 64)),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
