@@ -141,6 +141,8 @@ METHODS: Dict[str, tuple] = {
     # between the two: ADTopk 0.25 on the pseudo-gradient of 4 local steps, 2-bit values, SparseLoCo's outer step
     # (about 2% of dense's bytes: issue 28's "ADTopk within 2% of dense at <= 5% of its bytes" by local steps)
     sparseloco_name(4, "adtopk", "25", True, 2, 64): ("horovod", sparseloco(4, "adtopk", "25", True, 2, 64)),
+    # the same with global Top-k (its bit-packed indices address the whole tensor: about 3.6% of dense's bytes)
+    sparseloco_name(4, "topk", "25", True, 2, 64): ("horovod", sparseloco(4, "topk", "25", True, 2, 64)),
 }
 GROUPS = {"transformer": ["dense", "adtopk01", "topk01", "adtopk05", "psgd4", "ddp_psgd4"],
           "local": ["dense", "adtopk01", "diloco10", "diloco50", "diloco10_adtopk01", "diloco10_adtopk05",
