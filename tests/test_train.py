@@ -291,6 +291,17 @@ def test_resume_is_bitwise_exact_across_epochs(tmp_path):
         assert ra["train_loss"] == rb["train_loss"] and ra["test_loss"] == rb["test_loss"]
 
 
+def assert_one_synced_model(ckpt: dict, syncs: int) -> None:
+    """A local-steps checkpoint written right after the last sync: no open interval, no per-rank parameters,
+    ``syncs`` syncs, and the model equal to the outer parameters."""
+    block = ckpt["optimizer"]["horovod_adtopk"]
+    assert block["local_steps"]["step"] == 0 and block["local_steps"]["syncs"] == syncs
+    assert not any("local_params" in e for e in block["ranks"].values())
+    params = {k: v for k, v in ckpt["model"].items() if k in block["local_steps"]["outer_params"]}
+    assert len(params) == len(block["local_steps"]["outer_params"]) > 0
+    assert_same_tensors(params, block["local_steps"]["outer_params"], "outer parameters")
+
+
 def test_local_steps_resume_and_last_sync(tmp_path):
     """--sync-every 3 on the tiny corpus (5 steps per epoch, 2 epochs: the schedule ends at step 10, one step
     into an interval). The job syncs that last step (opt.sync_now(average=True)), so the final checkpoint
@@ -336,12 +347,7 @@ def test_local_steps_resume_and_last_sync(tmp_path):
     a, b = load_ckpt(latest(a_dir / "ckpt")), load_ckpt(latest(b_dir / "ckpt"))
     assert a["step"] == b["step"] == 10
     assert_same_tensors(a["model"], b["model"], "model")
-    block = a["optimizer"]["horovod_adtopk"]
-    assert block["local_steps"]["step"] == 0 and block["local_steps"]["syncs"] == 4  # 3 full intervals + the last
-    assert not any("local_params" in e for e in block["ranks"].values())
-    params = {k: v for k, v in a["model"].items() if k in block["local_steps"]["outer_params"]}
-    assert len(params) == len(block["local_steps"]["outer_params"]) > 0
-    assert_same_tensors(params, block["local_steps"]["outer_params"], "outer parameters")
+    assert_one_synced_model(a, syncs=4)  # 3 full intervals + the last
     fa, fb = final_row(a_dir / "m.jsonl"), final_row(b_dir / "m.jsonl")
     for key in ("train_loss", "test_loss", "bytes_sent", "bytes_dense"):
         assert fa[key] == fb[key], (key, fa[key], fb[key])
@@ -370,12 +376,8 @@ def test_elastic_local_steps_end_with_one_model(tmp_path):
     assert sorted(r["rank"] for r in ends) == [0, 1] and {r["step"] for r in ends} == {10}, ends
     assert len({r["digest"] for r in ends}) == 1, f"the ranks ended with different models: {ends}"
     ckpt = load_ckpt(latest(ckpt_dir))
-    block = ckpt["optimizer"]["horovod_adtopk"]
-    assert ckpt["step"] == 10 and block["local_steps"]["step"] == 0 and block["local_steps"]["syncs"] == 4
-    assert not any("local_params" in e for e in block["ranks"].values())
-    params = {k: v for k, v in ckpt["model"].items() if k in block["local_steps"]["outer_params"]}
-    assert len(params) == len(block["local_steps"]["outer_params"]) > 0
-    assert_same_tensors(params, block["local_steps"]["outer_params"], "outer parameters")
+    assert ckpt["step"] == 10
+    assert_one_synced_model(ckpt, syncs=4)
 
 
 # --------------------------------------------------------------------------------------------------------

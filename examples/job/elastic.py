@@ -308,10 +308,11 @@ class ElasticTrainer:
                     report.step(self._progress(), loss)
                     if commit_now:
                         self._commit(grad_norm)
-                if state.epoch + 1 >= args.epochs and open_interval(job):
-                    # local steps: the run's end falls inside an interval; one model on every rank, evaluated
-                    # and kept (a failure in this sync rolls back to the last commit like any other)
-                    last_sync(job, open_interval(job))
+                # local steps: where the run's end falls inside an interval, one model on every rank, evaluated
+                # and kept (a failure in this sync rolls back to the last commit like any other)
+                open_steps = open_interval(job) if state.epoch + 1 >= args.epochs else 0
+                if open_steps:
+                    last_sync(job, open_steps)
                 self._end_epoch(report)
             self._finish()
         finally:
