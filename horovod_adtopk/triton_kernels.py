@@ -182,16 +182,22 @@ if triton is not None:
         new_prefix = tl.max(tl.where(ok, cand, 0), axis=1).to(prefix.dtype)
         new_prefix = tl.maximum(new_prefix, prefix)
         new_above = tl.maximum(above, tl.max(tl.where(ok, -1, cnt), axis=1).to(above.dtype))
-        return new_prefix, new_above
+        # Exactly k keys reach the new prefix: they are the top k, and later rounds cannot change the set.
+        hit = (tl.min(tl.where(ok, cnt, 2147483647), axis=1) == k).to(tl.int32)
+        return new_prefix, new_above, hit
 
     @triton.jit
     def _fiber_topk_kernel(a_ptr, g_ptr, val_ptr, idx_ptr, n_fibers, L, cols, k,
                            AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
                            FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                           RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+                           RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr,
+                           EARLY: tl.constexpr):
         pid = tl.program_id(0)
         fib = (pid * FB + tl.arange(0, FB)).to(tl.int64)
         fmask = fib < n_fibers
+        # done[f]: exactly k keys of fiber f reach its prefix, so "key >= prefix" selects its top k. With
+        # EARLY, the rounds stop once every fiber of the program is done (fibers past the end count as done).
+        done = tl.where(fmask, 0, 1).to(tl.int32)
         j = tl.arange(0, BLOCK)
         R: tl.constexpr = 1 << RB
         ROUNDS: tl.constexpr = KEY_BITS // RB
@@ -209,14 +215,18 @@ if triton is not None:
                 x = _add(x, tl.load(g_ptr + off, mask=m, other=0.0))
             key = tl.where(m, _keys(x, KW, INF), -1)
             for r in range(ROUNDS):
-                shift = KEY_BITS - RB * (r + 1)
-                cand, valid = _candidates(prefix, shift, R)
-                cnt = tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
-                prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+                if tl.min(done, axis=0) == 0:
+                    shift = KEY_BITS - RB * (r + 1)
+                    cand, valid = _candidates(prefix, shift, R)
+                    cnt = tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
+                    prefix, above, hit = _choose(cnt, cand, valid, prefix, above, k)
+                    if EARLY:
+                        done = tl.maximum(done, hit)
             need = k - above
             eq = key == prefix[:, None]
             eq_rank = tl.cumsum(eq.to(tl.int32), axis=1)
             sel = (key > prefix[:, None]) | (eq & (eq_rank <= need[:, None]))
+            sel = tl.where(done[:, None] > 0, key >= prefix[:, None], sel)
             pos = tl.cumsum(sel.to(tl.int32), axis=1) - 1
             out = fib[:, None] * k + pos
             tl.store(val_ptr + out, x, mask=sel)
@@ -234,16 +244,19 @@ if triton is not None:
                     tl.store(a_ptr + off, x, mask=m)
                 tl.debug_barrier()
             for r in range(ROUNDS):
-                shift = KEY_BITS - RB * (r + 1)
-                cand, valid = _candidates(prefix, shift, R)
-                cnt = tl.zeros([FB, R], dtype=tl.int32)
-                for c in range(0, L, BLOCK):
-                    jj = c + j
-                    off, m = _tile(fib, fmask, jj, L, cols, AXIS)
-                    x = tl.load(a_ptr + off, mask=m, other=0.0)
-                    key = tl.where(m, _keys(x, KW, INF), -1)
-                    cnt += tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
-                prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+                if tl.min(done, axis=0) == 0:
+                    shift = KEY_BITS - RB * (r + 1)
+                    cand, valid = _candidates(prefix, shift, R)
+                    cnt = tl.zeros([FB, R], dtype=tl.int32)
+                    for c in range(0, L, BLOCK):
+                        jj = c + j
+                        off, m = _tile(fib, fmask, jj, L, cols, AXIS)
+                        x = tl.load(a_ptr + off, mask=m, other=0.0)
+                        key = tl.where(m, _keys(x, KW, INF), -1)
+                        cnt += tl.sum((key[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
+                    prefix, above, hit = _choose(cnt, cand, valid, prefix, above, k)
+                    if EARLY:
+                        done = tl.maximum(done, hit)
             need = k - above
             eq_seen = tl.zeros([FB], dtype=tl.int32)
             out_seen = tl.zeros([FB], dtype=tl.int32)
@@ -255,6 +268,7 @@ if triton is not None:
                 eq = key == prefix[:, None]
                 eq_rank = eq_seen[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
                 sel = (key > prefix[:, None]) | (eq & (eq_rank <= need[:, None]))
+                sel = tl.where(done[:, None] > 0, key >= prefix[:, None], sel)
                 sel_i = sel.to(tl.int32)
                 pos = out_seen[:, None] + tl.cumsum(sel_i, axis=1) - 1
                 out = fib[:, None] * k + pos
@@ -300,7 +314,7 @@ if triton is not None:
         above = tl.load(state_ptr + 1 + tl.arange(0, 1))
         cand, valid = _candidates(prefix, KEY_BITS - RB * (rnd + 1), R)
         cnt = tl.load(hist_ptr + rnd * R + tl.arange(0, R))[None, :]
-        prefix, above = _choose(cnt, cand, valid, prefix, above, k)
+        prefix, above, _hit = _choose(cnt, cand, valid, prefix, above, k)
         tl.store(state_ptr + tl.arange(0, 1), prefix.to(tl.int64))
         tl.store(state_ptr + 1 + tl.arange(0, 1), above)
 
@@ -389,6 +403,9 @@ def _key_params(dtype: torch.dtype, rb: int):
 
 #: Longest fiber kept in registers (one memory pass); longer fibers are streamed.
 ONE_PASS_MAX = 4096
+#: Stop a fiber program's radix rounds once exactly k keys reach every fiber's prefix (the low bits of the
+#: k-th key need not be found then). False runs every round (kept to measure the difference).
+EARLY_EXIT = True
 #: Radix bits per round for resident fibers (compute bound: 1 bit, 2 candidates) and streamed ones
 #: (memory/L2 bound: 4 bits, 16 candidates, a quarter of the passes).
 RB_RESIDENT = 1
@@ -454,7 +471,8 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
     grid = (triton.cdiv(n_fibers, fb),)
     _fiber_topk_kernel[grid](a, grad if grad is not None else a, values, local, n_fibers, L, cols, k,
                              AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
-                             ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, num_warps=warps)
+                             ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
+                             num_warps=warps)
     return values, local
 
 

@@ -143,6 +143,37 @@ def test_adtopk_ties_and_nonfinite(monkeypatch, stream, axis):
     assert torch.equal(l1, l2) and _same_bits(v1, v2)
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_adtopk_early_exit_same_as_all_rounds(monkeypatch, dtype, stream, axis):
+    """Stopping a program's radix rounds once every fiber has exactly k keys at its prefix selects what all
+    rounds select, bit for bit, also when only some fibers of a program get there (ties keep the rest going)
+    and with the fused grad add and zeroing."""
+    if stream:
+        monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+        monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0)
+    n_fibers, L = 6, 40
+    g = torch.Generator().manual_seed(11)
+    fib = torch.randn(n_fibers, L, generator=g)
+    fib[1] = torch.randint(-2, 3, (L,), generator=g).float()  # ties: this fiber runs every round
+    fib[4, :5] = 7.0  # five equal largest keys
+    rows, cols = (n_fibers, L) if axis == 1 else (L, n_fibers)
+    base = (fib if axis == 1 else fib.t().contiguous()).to(dtype)
+    grad = (torch.randn(rows, cols, generator=g) * 0.1).to(dtype)
+    for k in (1, 3, 5, 12):
+        out = {}
+        for early in (False, True):
+            monkeypatch.setattr(tk, "EARLY_EXIT", early)
+            a = base.clone().to(DEVICE)
+            values, local = tk.adtopk_select(a, rows, cols, axis, k, grad=grad.to(DEVICE), zero_sent=True)
+            out[early] = (values.cpu(), local.cpu(), a.cpu())
+        assert torch.equal(out[True][1], out[False][1])
+        assert _same_bits(out[True][0], out[False][0]) and _same_bits(out[True][2], out[False][2])
+        summed = base + grad  # torch rounds the sum once, as the fused add does
+        _check_fibers(summed, rows, cols, axis, k, out[True][0], out[True][1])
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("axis", [0, 1])
