@@ -74,7 +74,26 @@ class BucketExchange:
         self.state.stats_.compress_seconds += time.perf_counter() - start
         if not self.futures:
             return _done(buffer)
-        return torch.futures.collect_all(self.futures).then(self._finish)
+        if buffer.device.type != "cuda":
+            return torch.futures.collect_all(self.futures).then(self._finish)
+        # CUDA: collect_all's future knows no devices, so a plain then() would hand DDP a future whose wait()
+        # orders nothing on its stream, and the decode would run on whatever stream the collective's thread
+        # had current. Decode on the hook's stream instead and complete a future of that device, whose
+        # result records an event there for DDP's wait() to sync with.
+        stream = torch.cuda.current_stream(buffer.device)
+        out: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
+
+        def finish_on_stream(fut: torch.futures.Future) -> None:
+            with torch.cuda.device(buffer.device), torch.cuda.stream(stream):
+                try:
+                    result = self._finish(fut)
+                except BaseException as exc:  # noqa: BLE001 (every failure reaches DDP's wait(), none is lost)
+                    out.set_exception(exc)
+                    return
+                out.set_result(result)
+
+        torch.futures.collect_all(self.futures).add_done_callback(finish_on_stream)
+        return out
 
     # --- in the hook -----------------------------------------------------------------------------------------
     def _take(self, p, view: torch.Tensor) -> None:
@@ -153,8 +172,10 @@ class BucketExchange:
     # --- in the future's callback ------------------------------------------------------------------------------
     def _finish(self, fut: torch.futures.Future) -> torch.Tensor:
         try:
+            # wait(), not value(): a future of CUDA tensors (Gloo's copies back to the device, NCCL) then makes
+            # the current stream (the hook's, see launch) wait for the collective's before the decode reads.
             for f in fut.value():
-                f.value()
+                f.wait()
         except RuntimeError as exc:
             raise peer_lost(exc) from exc
         start = time.perf_counter()
