@@ -454,6 +454,7 @@ def test_log_lines_and_summary_outputs(tmp_path):
     final = final_of(out)
     assert json.loads(summary.read_text()) == final
     assert final["step"] == 4 and final["final"] is True
+    assert final["replicas_identical"] is True  # every rank's parameters hashed, compared across the ranks
     # the defaults: the recommended warm-up, said at start; its first 50 rounds are dense
     assert any("compressor adtopk: ratio 0.01, momentum correction 0.9" in line and
                "compression warm-up: 50 dense rounds, density 0.25 -> 0.01 over 150 rounds" in line
@@ -462,6 +463,31 @@ def test_log_lines_and_summary_outputs(tmp_path):
     headline = [line for line in lines if "Final test accuracy" in line]
     assert len(headline) == 1 and headline[0].split("<stdout>:", 1)[-1].startswith("Final test accuracy")
     assert not any(line.startswith("[1]") for line in lines), "rank 1 logged at info level"
+
+
+def test_model_digest_parameters_and_buffers():
+    """The digest behind the summary's replicas_identical: one ulp in one parameter changes it, a buffer
+    (batch-norm statistics, each rank's own under Horovod) changes it only with buffers=True; numpy's
+    SHA-256 of the same bytes is the reference."""
+    import hashlib
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from job.common import model_digest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    params, full = model_digest(model, buffers=False), model_digest(model)
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+        h.update(np.ascontiguousarray(p.detach().numpy()).tobytes())
+    assert params == h.hexdigest() and full != params
+    model[1].running_mean.add_(1.0)
+    assert model_digest(model, buffers=False) == params and model_digest(model) != full
+    with torch.no_grad():
+        w = model[0].weight
+        w[1, 2] = float(np.nextafter(np.float32(w[1, 2].item()), np.float32(np.inf)))
+    assert model_digest(model, buffers=False) != params
 
 
 def test_tensorboard_event_file(tmp_path):

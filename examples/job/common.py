@@ -1,8 +1,12 @@
-"""What every module of the job shares: its logger, the agreed failure, and the launchers' variables."""
+"""What every module of the job shares: its logger, the agreed failure, the launchers' variables and the model's
+digest."""
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Optional
+
+import torch
 
 LOG = logging.getLogger("horovod_adtopk.train")
 
@@ -34,3 +38,15 @@ def agree(engine, error: Optional[str], what: str, status: int = 2) -> None:
                 seen.append(e)
                 LOG.error(e + ("" if engine.size == 1 else f" (rank {r})"))
     raise JobFailed(status)
+
+
+def model_digest(model: torch.nn.Module, buffers: bool = True) -> str:
+    """SHA-256 over the model's state dict (``buffers=False``: its parameters only, as batch-norm statistics
+    are each rank's own under Horovod): every tensor's name, dtype, shape and raw bytes."""
+    h = hashlib.sha256()
+    tensors = model.state_dict().items() if buffers else model.named_parameters()
+    for name, tensor in tensors:
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -68,22 +68,12 @@ from horovod.common.exceptions import HorovodInternalError
 
 from .build import lr_factor
 from .checkpoints import read_checkpoint
-from .common import LOG, JobFailed, agree
+from .common import LOG, JobFailed, agree, model_digest
 from .data import compute_loss
 from .logs import ProgressReport
 from .loop import describe_run, forward, last_sync, open_interval, record, report
 from .resume import find_checkpoint, save_checkpoint
 from .state import COUNTER_KEYS, Job, Progress
-
-
-def model_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over every tensor of the model's state dict: name, dtype, shape and raw bytes."""
-    h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def residual_norm(opt: torch.optim.Optimizer) -> Tuple[float, int]:

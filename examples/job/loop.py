@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 
 from .board import tensorboard_record, tensorboard_step
-from .common import LOG
+from .common import LOG, model_digest
 from .data import compute_loss
 from .logs import ProgressReport, mb
 from .options import describe_compression
@@ -168,9 +168,29 @@ def train_epoch(job: Job, progress: Progress, report: ProgressReport) -> None:
             return
 
 
+def replicas_identical(job: Job) -> bool:
+    """Collective: whether every rank ends with bitwise the same parameters, as data-parallel replicas must
+    (every aggregation rule here gives every rank the same bits). A difference is a bug, never a result:
+    rank 0 says so loudly."""
+    if job.engine.size == 1:
+        return True
+    digests = job.engine.allgather_object(model_digest(job.model, buffers=False), name="train.replicas")
+    same = len(set(digests)) == 1
+    if not same and job.rank == 0:
+        groups = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        LOG.error("the ranks' parameters differ at the end of the run (ranks grouped by equal parameters: "
+                  f"{sorted(groups.values())}): the replicas have diverged, so these results are not those of "
+                  "data-parallel training. This is a bug: please report it with the command line")
+    return same
+
+
 def report(job: Job, progress: Progress) -> dict:
-    """The run's summary: written as the last metrics line, to ``--summary-json`` and as the final log line."""
+    """The run's summary: written as the last metrics line, to ``--summary-json`` and as the final log line.
+    Collective (the replicas' check)."""
     res = dict(job.last_record)
+    res["replicas_identical"] = replicas_identical(job)
     res["total_seconds"] = time.time() - job.process_start
     if job.rank != 0:
         return res
