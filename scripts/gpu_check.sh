@@ -8,40 +8,62 @@
 # Stages (each under its own timeout; a failed stage does not stop the next; the exit status is non-zero
 # if any stage failed), sized to finish within about 9.5 minutes:
 #   1. versions      nvidia-smi, python, torch, triton, the CUDA device
-#   2. tests         pytest tests/test_triton_kernels.py (and tests/test_kernels.py if present) on CUDA
+#   2. tests         pytest tests/test_triton_kernels.py on CUDA (in parallel where pytest-xdist is installed)
 #   3. bench         CUDA-event timings (median of 20 after warm-up) on the largest tensors of ResNet-50,
-#                    VGG-16 and BERT-base at ratios 0.01 and 0.001: one read pass (a.sum()), ADTopk
-#                    Triton (fused with the grad add, and without), torch.topk per fiber on |a| (the
-#                    fallback), exact global torch.topk on the flattened |a|, and Triton's global top-k;
-#                    plus a check that Triton's per-fiber magnitudes equal torch.topk's. Table on stdout,
-#                    JSON in $OUT/bench.json.
+#                    VGG-16, BERT-base and GPT-2 small (fp32; BERT's also bf16) at ratios 0.01 and 0.001:
+#                    one read pass (a.sum()), ADTopk Triton (fused with the grad add, and without; with and
+#                    without the early exit from the radix rounds), torch.topk per fiber on |a|, the
+#                    package's two whole paths for a CUDA tensor (Triton, and the torch fallback: error
+#                    feedback add, selection, zeroing), exact global torch.topk on the flattened |a|, and
+#                    Triton's global top-k; plus checks that Triton's per-fiber magnitudes equal
+#                    torch.topk's and that the early exit selects the same entries. Table on stdout, JSON in
+#                    $OUT/bench.json.
 #   4. ddp           benchmarks/ddp_check.py: the DDP engine (horovod_adtopk.ddp) end to end on CUDA tensors:
 #                    2 processes on the one GPU over Gloo and 1 process over NCCL, every step's averaged
 #                    gradients checked against the same runs on the CPU; then the step time of the 25M MLP
 #                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
 #                    JSON in $OUT/ddp_check.json.
 #   5. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
-#                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default) for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors),
-#                    on a text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
-#                    checks that it ran on cuda with joined columns, compressed (density < 0.1) and ended with a finite loss.
+#                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default)
+#                    for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors), on a
+#                    text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
+#                    checks that it ran on cuda with joined columns, compressed (density < 0.1), ended with a
+#                    finite loss and with bitwise equal parameters on both ranks (the summary's
+#                    replicas_identical).
 #                    Summary in $OUT/gpt.json.
 #   6. gpt_local     the same job with local steps and the SparseLoCo-style outer exchange (ADTopk 0.05, H = 5,
 #                    outer SGD lr 1, error feedback decayed by 0.95, 2-bit values: horovod_adtopk/quantize.py on
-#                    CUDA tensors) for 20 steps; checks cuda, density < 0.02 (elements; 0.01 for the sparse tensors) and a finite loss.
+#                    CUDA tensors) for 20 steps; checks cuda, density < 0.02 (elements; 0.01 for the sparse
+#                    tensors), a finite loss and equal parameters on both ranks.
 #                    Summary in $OUT/gpt_local.json.
 #
+# GPU_CHECK_STAGES="versions ddp" runs only the stages named (to repeat one after a fix within the device time);
+# GPU_CHECK_LIMITS="tests=75 bench=40" gives the stages named other timeouts, and GPU_CHECK_BENCH_BUDGET_S
+# the seconds after which the bench starts no new shape (to fit what is left of a lease). The stages run in
+# the order versions, tests, ddp, gpt, gpt_local, bench: the checks of results before the timings.
 # GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
 # and the ddp stage on CPU tensors over Gloo with a small MLP (to check the script where there is no GPU).
 set -u
+# Nothing is installed on the GPU machine: the package, the job and the benchmarks run from this checkout.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 OUT_DIR="${OUT:-gpu_check_out}"
 PY="${PYTHON:-python}"
 DRY="${GPU_CHECK_DRY:-0}"
+STAGES="${GPU_CHECK_STAGES:-}"  # e.g. "versions ddp": run only these stages (default: all)
+LIMITS="${GPU_CHECK_LIMITS:-}"  # e.g. "tests=75 bench=40": other timeouts (seconds) for the stages named
 mkdir -p "$OUT_DIR"
 FAILED=""
 
 run_stage() {  # run_stage NAME SECONDS FUNCTION: log to $OUT_DIR/NAME.log, echo a summary, record failure
-    local name="$1" limit="$2" fn="$3"
+    local name="$1" limit="$2" fn="$3" item
+    for item in $LIMITS; do  # GPU_CHECK_LIMITS="tests=75 bench=40" overrides a stage's timeout
+        [ "${item%%=*}" = "$name" ] && limit="${item#*=}"
+    done
+    if [ -n "$STAGES" ] && [[ " $STAGES " != *" $name "* ]]; then
+        echo "=== stage $name skipped (GPU_CHECK_STAGES=\"$STAGES\")"
+        return
+    fi
     echo "=== stage $name (timeout ${limit}s)"
     local t0=$SECONDS
     # timeout runs programs, not shell functions: run the exported function in a child bash.
@@ -84,10 +106,13 @@ PYEOF
 }
 
 run_tests() {
+    # tests/test_kernels.py tests the CPU kernels only (CI runs it): the GPU's time goes to the Triton ones.
     local files="tests/test_triton_kernels.py"
-    [ -f tests/test_kernels.py ] && files="$files tests/test_kernels.py"
+    local par=()
+    # pytest-xdist, where it is installed, compiles the kernels' many variants in parallel.
+    [ "$DRY" != "1" ] && "$PY" -c "import xdist" 2> /dev/null && par=(-n "${GPU_CHECK_TEST_WORKERS:-8}")
     # shellcheck disable=SC2086
-    "$PY" -m pytest -q -p no:cacheprovider $files
+    "$PY" -m pytest -q -p no:cacheprovider "${par[@]}" $files
 }
 
 bench() {
@@ -105,10 +130,12 @@ if DRY:
 
 import torch  # noqa: E402
 
-from horovod_adtopk import triton_kernels as tk  # noqa: E402  (no Horovod: the package __init__ is lazy)
+from horovod_adtopk import kernels as K  # noqa: E402  (no Horovod: the package __init__ is lazy)
+from horovod_adtopk import triton_kernels as tk  # noqa: E402
 
 OUT_DIR = os.environ.get("OUT_DIR", "gpu_check_out")
-BUDGET_S = 125.0  # stop starting new shapes after this; the stage timeout is a little longer
+# Stop starting new shapes after this many seconds (the stage timeout is a little longer).
+BUDGET_S = float(os.environ.get("GPU_CHECK_BENCH_BUDGET_S", "125"))
 
 if DRY:
     DEVICE = "cpu"
@@ -121,16 +148,22 @@ else:
     if not tk.available():
         sys.exit("bench: Triton is not importable")
     DEVICE = "cuda"
+    # Transformer shapes first: with a short budget (GPU_CHECK_BENCH_BUDGET_S) they are the ones measured.
     SHAPES = [
+        ("BERT-base FFN in", (3072, 768)),
+        ("BERT-base FFN out", (768, 3072)),
+        ("BERT-base attention", (768, 768)),
+        ("GPT-2 c_attn", (2304, 768)),
+        ("GPT-2 wte", (50257, 768)),
+        ("BERT-base FFN in bf16", (3072, 768), torch.bfloat16),
+        ("BERT-base FFN out bf16", (768, 3072), torch.bfloat16),
+        ("BERT-base attention bf16", (768, 768), torch.bfloat16),
+        ("BERT-base word embeddings", (30522, 768)),
         ("VGG-16 fc6", (4096, 25088)),
         ("VGG-16 fc7", (4096, 4096)),
         ("VGG-16 conv5 / ResNet-50 layer4 conv", (512, 512, 3, 3)),
         ("ResNet-50 layer4 conv1x1", (2048, 512, 1, 1)),
         ("ResNet-50 fc", (1000, 2048)),
-        ("BERT-base word embeddings", (30522, 768)),
-        ("BERT-base FFN in", (3072, 768)),
-        ("BERT-base FFN out", (768, 3072)),
-        ("BERT-base attention", (768, 768)),
     ]
     RATIOS = [0.01, 0.001]
     WARMUP, REPEATS = 3, 20
@@ -168,21 +201,22 @@ def fiber_view(shape):
 results = []
 t_start = time.perf_counter()
 gen = torch.Generator(device=DEVICE).manual_seed(0)
-for name, shape in SHAPES:
+for name, shape, *dt in SHAPES:
     if time.perf_counter() - t_start > BUDGET_S:
         print(f"time budget reached, skipping {name} {shape}", flush=True)
         continue
+    dtype = dt[0] if dt else torch.float32
     rows, cols, axis = fiber_view(shape)
     n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
-    a = torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32)
-    g = torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32) * 1e-3
+    a = torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
+    g = (torch.randn(rows * cols, generator=gen, device=DEVICE, dtype=torch.float32) * 1e-3).to(dtype)
     res = a.clone()
     for ratio in RATIOS:
         k = max(1, int(math.floor(ratio * L)))
         kg = max(1, int(math.floor(ratio * a.numel())))
         row = {"name": name, "shape": list(shape), "rows": rows, "cols": cols, "axis": axis,
                "num_fibers": n_fibers, "fiber_len": L, "k": k, "global_k": kg, "ratio": ratio,
-               "numel": a.numel(), "device": DEVICE}
+               "numel": a.numel(), "device": DEVICE, "dtype": str(dtype).replace("torch.", "")}
 
         def fallback():
             m = a.view(rows, cols)
@@ -203,34 +237,48 @@ for name, shape in SHAPES:
         row["ms_read_pass"] = timed(lambda: a.sum())
         row["ms_adtopk_triton_fused_grad"] = timed(lambda: tk.adtopk_select(res, rows, cols, axis, k, grad=g))
         row["ms_adtopk_triton"] = timed(lambda: tk.adtopk_select(a, rows, cols, axis, k))
+        # The radix rounds without the early exit (every round to the last bit of the k-th key), and the
+        # same result checked bit for bit.
+        tk.EARLY_EXIT = False
+        row["ms_adtopk_triton_all_rounds"] = timed(lambda: tk.adtopk_select(a, rows, cols, axis, k))
+        v_all, l_all = tk.adtopk_select(a, rows, cols, axis, k)
+        tk.EARLY_EXIT = True
+        row["check_early_exit_same"] = bool(torch.equal(l_all, local) and torch.equal(v_all, values))
+        # The package's two paths for a CUDA tensor, whole: error-feedback add, selection, zeroing of the
+        # sent entries (Triton fused; the torch fallback as kernels.py runs it without Triton).
+        row["ms_path_triton_ef"] = timed(lambda: tk.adtopk_select(res, rows, cols, axis, k, grad=g, zero_sent=True))
+        row["ms_path_torch_ef"] = timed(lambda: K._torch_adtopk_select(res, rows, cols, axis, k, g, True))
         row["ms_torch_topk_per_fiber"] = timed(fallback)
         row["ms_torch_topk_global"] = timed(lambda: torch.topk(a.abs(), kg, sorted=False))
         row["ms_triton_topk_global"] = timed(lambda: tk.topk_select(a, kg))
-        row["read_GBps"] = a.numel() * 4 / (row["ms_read_pass"] * 1e-3) / 1e9
+        row["read_GBps"] = a.numel() * a.element_size() / (row["ms_read_pass"] * 1e-3) / 1e9
         results.append(row)
         print(json.dumps(row), flush=True)
 
 cols_ = [("read", "ms_read_pass"), ("adtopk+grad", "ms_adtopk_triton_fused_grad"), ("adtopk", "ms_adtopk_triton"),
-         ("topk/fiber", "ms_torch_topk_per_fiber"), ("topk global", "ms_torch_topk_global"),
-         ("triton global", "ms_triton_topk_global")]
-head = f"{'tensor':40s} {'shape':>20s} ax {'ratio':>6s} {'k':>5s} " + " ".join(f"{c:>13s}" for c, _ in cols_) + "  x read  ok"
+         ("all rounds", "ms_adtopk_triton_all_rounds"), ("topk/fiber", "ms_torch_topk_per_fiber"),
+         ("path triton", "ms_path_triton_ef"), ("path torch", "ms_path_torch_ef"),
+         ("topk global", "ms_torch_topk_global"), ("triton global", "ms_triton_topk_global")]
+head = f"{'tensor':30s} {'shape':>18s} ax {'ratio':>6s} {'k':>5s} " + " ".join(f"{c:>11s}" for c, _ in cols_) + "  x read  ok"
 print()
 print("milliseconds, median of", REPEATS, "after", WARMUP, "warm-up runs;", DEVICE)
 print(head)
 for r in results:
-    ok = r["check_magnitudes_equal"] and r["check_local_ascending"] and r["check_global_equal"]
-    print(f"{r['name'][:40]:40s} {str(tuple(r['shape'])):>20s} {r['axis']:2d} {r['ratio']:6.3f} {r['k']:5d} "
-          + " ".join(f"{r[key]:13.3f}" for _, key in cols_)
+    ok = (r["check_magnitudes_equal"] and r["check_local_ascending"] and r["check_global_equal"]
+          and r["check_early_exit_same"])
+    print(f"{r['name'][:30]:30s} {str(tuple(r['shape'])):>18s} {r['axis']:2d} {r['ratio']:6.3f} {r['k']:5d} "
+          + " ".join(f"{r[key]:11.3f}" for _, key in cols_)
           + f"  {r['ms_adtopk_triton_fused_grad'] / r['ms_read_pass']:6.1f}  {'yes' if ok else 'NO'}")
 
 meta = {"torch": torch.__version__, "triton": __import__("triton").__version__, "device": DEVICE,
         "device_name": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (interpreter dry run)",
-        "warmup": WARMUP, "repeats": REPEATS, "dtype": "float32"}
+        "warmup": WARMUP, "repeats": REPEATS}
 os.makedirs(OUT_DIR, exist_ok=True)
 with open(os.path.join(OUT_DIR, "bench.json"), "w") as f:
     json.dump({"meta": meta, "results": results}, f, indent=1)
 print("wrote", os.path.join(OUT_DIR, "bench.json"))
-bad = [r for r in results if not (r["check_magnitudes_equal"] and r["check_local_ascending"] and r["check_global_equal"])]
+bad = [r for r in results if not (r["check_magnitudes_equal"] and r["check_local_ascending"]
+                                  and r["check_global_equal"] and r["check_early_exit_same"])]
 if bad:
     sys.exit(f"bench: {len(bad)} correctness check(s) failed")
 if not results:
@@ -265,10 +313,12 @@ name, max_density, mark, out, dry = sys.argv[1:]
 res = json.load(open(f"{out}/{name}.json"))
 log = open(f"{out}/{name}.log").read()
 want = "cpu" if dry == "1" else "cuda"
+same = res.get("replicas_identical") is True
 ok = (f"torchrun init, {want})" in log and mark in log and res["density"] < float(max_density)
-      and math.isfinite(res["test_loss"]) and res["step"] == 20)
+      and math.isfinite(res["test_loss"]) and res["step"] == 20 and same)
 print(f"{name}: device {want}, density {res['density']:.5f}, test loss {res['test_loss']:.3f}, "
-      f"{res['wall_time']:.1f} s for 20 steps: {'ok' if ok else 'FAILED'}")
+      f"{res['wall_time']:.1f} s for 20 steps, ranks' parameters {'bitwise equal' if same else 'DIFFER'}: "
+      f"{'ok' if ok else 'FAILED'}")
 sys.exit(0 if ok else 1)
 PYEOF
 }
@@ -291,13 +341,13 @@ if [ "$DRY" = "1" ]; then
     run_stage ddp 180 ddp_check
     run_stage gpt 180 gpt
     run_stage gpt_local 180 gpt_local
-else  # stage limits add up to 9.5 minutes
+else  # stage limits add up to 9.5 minutes; the checks of results first, the timings last
     run_stage versions 30 versions
     run_stage tests 180 run_tests
-    run_stage bench 140 bench
     run_stage ddp 100 ddp_check
     run_stage gpt 70 gpt
     run_stage gpt_local 50 gpt_local
+    run_stage bench 140 bench
 fi
 
 if [ -n "$FAILED" ]; then
