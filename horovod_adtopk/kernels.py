@@ -11,7 +11,10 @@ tie, any valid choice):
   entries into its passes, and breaks ties towards the lower index (deterministic). Given a ``hint`` (per
   fiber, a threshold carried from the last call), the entries reaching it are the candidates when there are
   at least k of them, with the same result.
-- ``"triton"``: ``horovod_adtopk.triton_kernels`` (CUDA tensors), imported lazily when present.
+- ``"triton"``: ``horovod_adtopk.triton_kernels`` (CUDA tensors), imported lazily when present. Where the
+  H200 measurement (BENCHMARKS 1f) found ``torch.topk`` faster, a CUDA tensor takes the torch path instead:
+  global top-k (:func:`topk_select`) and fibers longer than ``CUDA_TRITON_MAX_FIBER``. The environment's
+  ``HOROVOD_ADTOPK_CUDA_SELECT`` (``auto``, the default; ``triton``; ``torch``) overrides that rule.
 - ``"torch"``: the pure-PyTorch fallback below (any device).
 
 Threshold comparisons are exact: ``|x| >= t`` is decided as on real numbers, not after rounding ``t`` to the
@@ -56,8 +59,38 @@ def _triton():
     return _triton_module
 
 
+# On one H200 (docs/gpu/bench.json): the Triton per-fiber path with error feedback took 0.15-0.27 ms against
+# the torch path's 0.19-0.55 ms on fibers of 2,304-3,072, but 1.88 ms against 1.34 ms on GPT-2's wte
+# (fibers of 50,257); the Triton global top-k took 0.80 ms and 6.1 ms where torch.topk took 0.18 ms and
+# 0.93 ms (2.4 M and 38.6 M entries). The crossover for fibers lies between the two lengths measured.
+CUDA_TRITON_MAX_FIBER = 16384
+_CUDA_CHOICES = ("auto", "triton", "torch")
+
+
+def _cuda_choice() -> str:
+    choice = os.environ.get("HOROVOD_ADTOPK_CUDA_SELECT", "auto").strip().lower() or "auto"
+    if choice not in _CUDA_CHOICES:
+        raise ValueError(f"HOROVOD_ADTOPK_CUDA_SELECT={choice!r}: use one of {', '.join(_CUDA_CHOICES)} "
+                         "(auto: Triton, with torch.topk for global top-k and fibers longer than "
+                         f"{CUDA_TRITON_MAX_FIBER})")
+    return choice
+
+
+def _select_impl(a: torch.Tensor, fiber_len: Optional[int]) -> str:
+    """The implementation of a top-k selection: :func:`backend`, then on CUDA the measured rule
+    (``fiber_len`` None: a global top-k)."""
+    impl = backend(a)
+    if impl != "triton":
+        return impl
+    choice = _cuda_choice()
+    if choice == "auto":
+        return "torch" if fiber_len is None or fiber_len > CUDA_TRITON_MAX_FIBER else "triton"
+    return choice
+
+
 def backend(a: torch.Tensor) -> str:
-    """Which implementation runs for ``a``: ``"native-cpu"``, ``"triton"`` or ``"torch"``."""
+    """Which implementation the kernels use for ``a``: ``"native-cpu"``, ``"triton"`` or ``"torch"`` (on
+    CUDA, a top-k selection may still take the torch path: see the module's note)."""
     if a.device.type == "cpu":
         if _native is not None and os.environ.get("HOROVOD_ADTOPK_NATIVE", "1") != "0":
             return "native-cpu"
@@ -72,6 +105,9 @@ def describe() -> dict:
     out = {"cpu": backend(torch.empty(0))}
     if torch.cuda.is_available():
         out["cuda"] = "triton" if _triton() is not None else "torch"
+        if out["cuda"] == "triton" and _cuda_choice() != "triton":
+            out["cuda_torch_topk"] = ("every top-k selection" if _cuda_choice() == "torch" else
+                                      f"global top-k, fibers longer than {CUDA_TRITON_MAX_FIBER}")
     return out
 
 
@@ -231,7 +267,7 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
     if k == 0:
         return _nothing(a, grad, fibers)
     rows, cols, axis = int(rows), int(cols), int(axis)
-    impl = backend(a)
+    impl = _select_impl(a, n)
     if impl == "native-cpu":
         values, local = _native.adtopk_select(a, rows, cols, axis, k, grad, bool(zero_sent), hint)
         return values, local
@@ -268,7 +304,7 @@ def topk_select(a: torch.Tensor, k: int, grad: Optional[torch.Tensor] = None,
     if k == 0:
         values, flat = _nothing(a, grad)
         return values.view(-1), flat.view(-1)
-    impl = backend(a)
+    impl = _select_impl(a, None)
     if impl == "native-cpu":
         values, flat = _native.topk_select(a, k, grad, bool(zero_sent))
         return values, flat

@@ -578,3 +578,13 @@ def test_bad_hint_rejected():
             K.adtopk_select(a, 4, 5, 1, 2, hint=bad)
     with pytest.raises(ValueError, match="one entry per fiber \\(5\\)"):
         K.adtopk_select(a, 4, 5, 0, 2, hint=K.new_hint(4))
+
+
+def test_cuda_select_setting_is_checked(monkeypatch):
+    """HOROVOD_ADTOPK_CUDA_SELECT: a value that is not auto / triton / torch is an error that lists them."""
+    monkeypatch.setenv("HOROVOD_ADTOPK_CUDA_SELECT", "fast")
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        K._cuda_choice()
+    for choice in ("auto", " Torch ", ""):
+        monkeypatch.setenv("HOROVOD_ADTOPK_CUDA_SELECT", choice)
+        assert K._cuda_choice() == (choice.strip().lower() or "auto")

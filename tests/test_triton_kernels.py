@@ -329,3 +329,26 @@ def test_clear_error_without_triton(monkeypatch):
     assert not tk.available()
     with pytest.raises(RuntimeError, match="Triton"):
         tk.adtopk_select(torch.ones(2, 2), 2, 2, 1, 1)
+
+
+@pytest.mark.skipif(not CUDA, reason="the dispatch rule is for CUDA tensors (the CPU has its native kernel)")
+@pytest.mark.parametrize("choice", ["auto", "triton", "torch"])
+def test_cuda_dispatch_rule(monkeypatch, choice):
+    """kernels.* on CUDA: Triton for fibers up to CUDA_TRITON_MAX_FIBER, torch.topk beyond and for global
+    top-k (auto), or what HOROVOD_ADTOPK_CUDA_SELECT names; the result the reference's either way."""
+    from horovod_adtopk import kernels as K
+
+    monkeypatch.setenv("HOROVOD_ADTOPK_CUDA_SELECT", choice)
+    n_long = K.CUDA_TRITON_MAX_FIBER + 1
+    short = _randn((4, 600), torch.float32, seed=31).to(DEVICE)
+    long = _randn((2, n_long), torch.float32, seed=32).to(DEVICE)
+    fast = {"auto": "triton", "triton": "triton", "torch": "torch"}[choice]
+    slow = {"auto": "torch", "triton": "triton", "torch": "torch"}[choice]
+    assert K._select_impl(short, 600) == fast
+    assert K._select_impl(long, n_long) == slow and K._select_impl(short, None) == slow
+    for a, k in ((short, 6), (long, 163)):
+        rows, cols = a.shape
+        values, local = K.adtopk_select(a, rows, cols, 1, k)
+        _check_fibers(a.cpu(), rows, cols, 1, k, values, local)
+    values, flat = K.topk_select(long, 327)
+    _flat_check(long.cpu(), 327, values, flat)
