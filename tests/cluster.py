@@ -198,14 +198,23 @@ def _read_state(name: str) -> Optional[dict]:
         return None
 
 
-def _pid_alive(pid: Optional[int], started: Optional[float]) -> bool:
-    """The recorded process still runs (same pid *and* start time, so a reused pid does not count)."""
-    if not pid:
-        return False
+def _start_ticks(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone.
+
+    A stamp that the wall clock cannot move. ``psutil.Process.create_time()`` (psutil 7) adds the boot time,
+    re-read from ``/proc/stat`` at every call, and that moves when the clock is stepped (NTP on a VM): a
+    listener compared by it within 1 s can look dead and be reaped with a job's leftovers, which fits the
+    CI run where every run after test_elastic_hosts' reference met "Connection refused" on all 3 hosts."""
     try:
-        return abs(psutil.Process(pid).create_time() - (started or 0)) < 1.0
-    except psutil.Error:
-        return False
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def _pid_alive(pid: Optional[int], started: Optional[int]) -> bool:
+    """The recorded process still runs (same pid *and* start tick, so a reused pid does not count)."""
+    return bool(pid) and started is not None and _start_ticks(pid) == started
 
 
 def _subnet_index(name: str, taken: Iterable[int]) -> int:
@@ -365,6 +374,7 @@ class Hosts:
         still there in ``self.left_behind`` ({host: [pid: cmdline]}) and kills it.
         Returns ``(returncode or None on timeout, output, seconds)``."""
         from tests.harness import run_command
+        self.check_daemons()
         try:
             return run_command(self.on_host(host, cmd), timeout=timeout, env=env, cwd=cwd)
         finally:
@@ -378,6 +388,7 @@ class Hosts:
     def popen(self, host: Union[str, int, Host], cmd: Sequence[str], **kw) -> subprocess.Popen:
         """Start ``cmd`` on ``host`` in its own session (``kw`` go to Popen); the caller waits and reaps."""
         kw.setdefault("start_new_session", True)
+        self.check_daemons()
         return subprocess.Popen(self.on_host(host, cmd), **kw)
 
     def host_list(self, slots: int = 1, hosts: Optional[Sequence[Union[str, int]]] = None) -> str:
@@ -408,6 +419,15 @@ class Hosts:
 
     def _daemon_pids(self) -> set:
         return {pid for pid, started in self.daemons.values() if _pid_alive(pid, started)}
+
+    def check_daemons(self) -> None:
+        """Raise ClusterError (with its log) if a host's sshd listener is gone: a run would only meet
+        "Connection refused" from every ssh, far from the cause."""
+        for name, (pid, started) in self.daemons.items():
+            if not _pid_alive(pid, started):
+                log = self.dir / name.split("@")[1] / "sshd.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.is_file() else "(no log)"
+                raise ClusterError(f"{name} (pid {pid}) is no longer running; its log:\n{tail}")
 
     def processes(self, host: Union[str, int, Host, None] = None) -> List[psutil.Process]:
         """The processes on ``host`` (all hosts if None) other than its sshd listener."""
@@ -488,13 +508,13 @@ class Cluster(Hosts):
         self.bridge = f"{name}br"
         self.hosts: List[Host] = []
         self.subnet: Optional[int] = None
-        self.daemons: Dict[str, Tuple[int, float]] = {}
+        self.daemons: Dict[str, Tuple[int, int]] = {}
         self.left_behind: Dict[str, List[str]] = {}
 
     def _save(self) -> None:
         owner = None
         if self.owned:
-            owner = {"pid": os.getpid(), "started": psutil.Process().create_time()}
+            owner = {"pid": os.getpid(), "started": _start_ticks(os.getpid())}
         state = {"name": self.name, "subnet": self.subnet, "bridge": self.bridge, "iface": self.iface,
                  "rate": self.rate, "latency_ms": self.latency_ms, "loopback_names": self.loopback_names,
                  "owner": owner, "hosts": [asdict(h) for h in self.hosts],
@@ -642,7 +662,7 @@ class Cluster(Hosts):
         with open(d / "sshd.log", "ab") as log:
             p = subprocess.Popen(self.on_host(h, [SSHD, "-D", "-e", "-f", str(cfg)]), stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.daemons[f"sshd@{h.name}"] = (p.pid, psutil.Process(p.pid).create_time())
+        self.daemons[f"sshd@{h.name}"] = (p.pid, _start_ticks(p.pid))
         self._save()
 
     def _wait_for_ssh(self) -> None:
@@ -657,9 +677,7 @@ class Cluster(Hosts):
                 pending.pop(0)
                 continue
             last = f"ssh {a.name} -> {b.name}: exit {r.returncode} {r.stdout.strip()} {r.stderr.strip()}"
-            for name, (pid, started) in self.daemons.items():
-                if not _pid_alive(pid, started):
-                    raise ClusterError(f"{name} exited: {(self.dir / name.split('@')[1] / 'sshd.log').read_text()}")
+            self.check_daemons()
             time.sleep(0.3)
         if pending:
             raise ClusterError(f"hosts not reachable over ssh after {self.start_timeout:.0f}s; last: {last}")
