@@ -606,8 +606,12 @@ def case_sparse_grad_like_stock(arrays, comp, sparse_as_dense):
         sparse_after = []
         for t in range(3):
             opt.zero_grad()
+            # The local gradient, taken where no hook fires (autograd.grad skips the accumulator): once
+            # backward() has run, p.grad may already be the buffer the background allreduce writes into, and
+            # a copy of it read there was half averaged on one CI run.
+            (local,) = torch.autograd.grad(model(_uneven_lookups(rank, t)).pow(2).sum(), model.weight)
+            arrays[f"{how}/g/{t}"] = local.to_dense().numpy().copy()
             model(_uneven_lookups(rank, t)).pow(2).sum().backward()
-            arrays[f"{how}/g/{t}"] = model.weight.grad.to_dense().numpy().copy()
             opt.synchronize()
             sparse_after.append(bool(model.weight.grad.is_sparse))
             arrays[f"{how}/out/{t}"] = model.weight.grad.to_dense().numpy().copy()
