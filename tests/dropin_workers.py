@@ -609,9 +609,10 @@ def case_sparse_grad_like_stock(arrays, comp, sparse_as_dense):
             # The local gradient, taken where no hook fires (autograd.grad skips the accumulator): once
             # backward() has run, p.grad may already be the buffer the background allreduce writes into, and
             # a copy of it read there was half averaged on one CI run.
-            (local,) = torch.autograd.grad(model(_uneven_lookups(rank, t)).pow(2).sum(), model.weight)
+            loss = model(_uneven_lookups(rank, t)).pow(2).sum()
+            (local,) = torch.autograd.grad(loss, model.weight, retain_graph=True)
             arrays[f"{how}/g/{t}"] = local.to_dense().numpy().copy()
-            model(_uneven_lookups(rank, t)).pow(2).sum().backward()
+            loss.backward()
             opt.synchronize()
             sparse_after.append(bool(model.weight.grad.is_sparse))
             arrays[f"{how}/out/{t}"] = model.weight.grad.to_dense().numpy().copy()
