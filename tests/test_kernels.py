@@ -570,6 +570,53 @@ def test_hint_gives_the_same_selection_step_after_step(impl, monkeypatch, dtype)
         assert all(v > 0 for v in both.values()), both
 
 
+# Candidate counts around the boundaries of the final ranking (with AVX2: ranks by counting up to 23
+# candidates, a bitwise search for the k-th key from 24 to 4,096, nth_element above; the scalar code counts up
+# to 64), with k at, just below and far below the count.
+CANDIDATE_CASES = [(c, k) for c in (23, 24, 25, 64, 65, 300, 4096, 4097) for k in (1, 7, c // 2, c - 1, c)]
+
+
+def _candidates_row(n, c, seed, dtype):
+    """A fiber of n keys of which exactly c reach 1.0 (the hint): they are 1, 2 or 3, some +-Inf or NaN, with
+    signs mixed, so the k-th key is tied many times over; the others lie in (0, 0.5)."""
+    gen = np.random.default_rng(seed)
+    x = gen.uniform(0.0, 0.5, n) * gen.choice([-1.0, 1.0], n)
+    pos = gen.choice(n, c, replace=False)
+    x[pos] = gen.integers(1, 4, c) * gen.choice([-1.0, 1.0], c)
+    special = pos[gen.random(c) < 0.05]
+    x[special] = gen.choice([np.inf, -np.inf, np.nan], len(special))
+    return torch.from_numpy(x).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_final_ranking_at_every_candidate_count(monkeypatch, dtype, axis):
+    """The hinted pass hands the final ranking exactly c candidates (the entries reaching the hint) with the
+    k-th key tied many times: the selection is the reference's (ties to the lower index) and AVX2 gives the
+    same bits as the scalar code, for c on both sides of every switch between ranking methods."""
+    if not K.native_available():
+        pytest.skip(NATIVE_SKIP)
+    monkeypatch.setenv("HOROVOD_ADTOPK_NATIVE", "1")
+    n, nf = 5000, 3
+    for i, (c, k) in enumerate(CANDIDATE_CASES):
+        fibers = torch.stack([_candidates_row(n, c, 100 * i + f, dtype) for f in range(nf)])
+        m = fibers if axis == 1 else fibers.T.contiguous()
+        rows, cols = m.shape
+        want = ref.adtopk_mask(as_np(m), ratio_for(k, n), axis)
+        runs = []
+        for simd in ("1", "0"):
+            monkeypatch.setenv("HOROVOD_ADTOPK_SIMD", simd)
+            a, hint = m.clone(), torch.ones(nf, dtype=torch.float64)
+            values, local = K.adtopk_select(a, rows, cols, axis, k, zero_sent=True, hint=hint)
+            where = f"c={c} k={k} axis={axis} {dtype} simd={simd}"
+            mask = check_fibers(as_np(m), axis, k, values, local)
+            np.testing.assert_array_equal(mask, want, err_msg=where)
+            np.testing.assert_array_equal(as_np(a), np.where(mask, 0.0, as_np(m)), err_msg=where)
+            runs.append([_bits(values), local.numpy().copy(), hint.numpy().copy()])
+        for x, y in zip(*runs):
+            np.testing.assert_array_equal(x, y, err_msg=f"c={c} k={k} axis={axis} {dtype}: AVX2 differs from scalar")
+
+
 def test_bad_hint_rejected():
     a = torch.randn(4, 5)
     for bad, why in [(torch.zeros(4), "float32"), (torch.zeros(5, dtype=torch.float64), "5 entries"),

@@ -183,6 +183,82 @@ HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_
     o += above < k;
   }
 }
+
+// More candidates (float keys, AVX2): the k-th largest key T is found bit by bit from its top, as the largest
+// bit pattern u with at least k keys >= u (keys are |x| with NaN -> +inf, never -0, so their bit patterns as
+// integers order as the floats do and are equal only where the floats are). Each of the at most 31 rounds
+// counts the candidates at or above one pattern, 8 at a time, with no data-dependent branch; the bits above
+// the highest one where the smallest and largest candidate differ are known from the start, and the search
+// stops where exactly k keys reach the pattern (they are the top k; usually a dozen rounds). Then every key
+// above T is taken and the keys equal to T in ascending index order until k are: what finish_by_rank gives.
+// Cost: about rounds * c / 8 compares against c * c / 8 for the ranking, which wins below RADIX_MIN
+// candidates; above RADIX_MAX (measured up to a few thousand) nth_element is kept.
+constexpr int64_t RADIX_MIN = 24, RADIX_MAX = 4096;
+static_assert(RADIX_MIN >= 8, "finish_by_radix_avx2 reads at least one full vector");
+
+HAT_AVX2 inline int32_t hsum8(__m256i a) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+
+HAT_AVX2 void finish_by_radix_avx2(const float* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
+  const int32_t* u = reinterpret_cast<const int32_t*>(ckey);  // keys >= 0: sign bit clear, int order = float order
+  const int64_t c8 = c - c % 8;
+  __m256i lo = _mm256_set1_epi32(INT32_MAX), hi = _mm256_setzero_si256();
+  for (int64_t j = 0; j < c8; j += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j));
+    lo = _mm256_min_epi32(lo, v);
+    hi = _mm256_max_epi32(hi, v);
+  }
+  int32_t lo_s[8], hi_s[8];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo_s), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi_s), hi);
+  uint32_t mn = UINT32_MAX, mx = 0;
+  for (int q = 0; q < 8; ++q) {  // c8 >= 8: every lane saw a key
+    mn = std::min(mn, static_cast<uint32_t>(lo_s[q]));
+    mx = std::max(mx, static_cast<uint32_t>(hi_s[q]));
+  }
+  for (int64_t j = c8; j < c; ++j) {
+    mn = std::min(mn, static_cast<uint32_t>(u[j]));
+    mx = std::max(mx, static_cast<uint32_t>(u[j]));
+  }
+  // count(u >= prefix) >= k holds throughout: prefix starts at or below the smallest key
+  uint32_t prefix = mx;
+  if (mn != mx) {
+    const int hb = 31 - __builtin_clz(mn ^ mx);
+    prefix = mx & ~((2u << hb) - 1u);  // hb <= 30: keys are below 2^31
+    for (int b = hb; b >= 0; --b) {
+      const uint32_t cand = prefix | (1u << b);
+      const __m256i cm1 = _mm256_set1_epi32(static_cast<int32_t>(cand - 1u));
+      __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+      int64_t j = 0;
+      for (; j + 16 <= c8; j += 16) {
+        acc0 = _mm256_sub_epi32(acc0, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j)), cm1));
+        acc1 = _mm256_sub_epi32(acc1, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j + 8)), cm1));
+      }
+      if (j < c8)
+        acc0 = _mm256_sub_epi32(acc0, _mm256_cmpgt_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + j)), cm1));
+      int64_t cnt = hsum8(_mm256_add_epi32(acc0, acc1));
+      for (int64_t t = c8; t < c; ++t) cnt += static_cast<uint32_t>(u[t]) >= cand;
+      prefix = cnt >= k ? cand : prefix;
+      if (cnt == k) break;  // exactly k keys reach prefix: they are the top k, whatever the lower bits of T
+    }
+  }
+  const int32_t T = static_cast<int32_t>(prefix);
+  int64_t gt = 0;
+  for (int64_t j = 0; j < c; ++j) gt += u[j] > T;
+  int64_t quota = k - gt;  // >= 1: at least k keys are >= T
+  int64_t o = 0;
+  for (int64_t i = 0; i < c && o < k; ++i) {
+    const bool eq = u[i] == T;
+    const bool take = u[i] > T || (eq && quota > 0);
+    quota -= eq && take;
+    out[o] = cidx[i];
+    o += take;
+  }
+}
 #endif
 
 template <typename A>
@@ -191,6 +267,11 @@ void finish(const A* ckey, const int64_t* cidx, int64_t c, int64_t k, A* tmp, in
     std::copy(cidx, cidx + c, out);
     return;
   }
+#if HAT_X86_SIMD
+  if constexpr (std::is_same<A, float>::value) {
+    if (simd && c >= RADIX_MIN && c <= RADIX_MAX) return finish_by_radix_avx2(ckey, cidx, c, k, out);
+  }
+#endif
   if (c <= RANK_MAX) {
 #if HAT_X86_SIMD
     if constexpr (std::is_same<A, float>::value) {
@@ -736,7 +817,7 @@ void adtopk_cols(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, bool z
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t f = c0 + c;
         int64_t* out = local + f * k;
-        finish(ckey.get() + c * cap, cidx.get() + c * cap, cnt[c], k, tmp.get(), out);
+        finish(ckey.get() + c * cap, cidx.get() + c * cap, cnt[c], k, tmp.get(), out, simd);
         T* vo = values + f * k;
         for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j] * cols + f];
         if (zero_sent)
@@ -982,7 +1063,7 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
       const int64_t f = c0 + c;
       int64_t* out = local + f * k;
       if (off[c + 1] - off[c] >= k) {
-        finish(ckey.get() + off[c], cidx.get() + off[c], off[c + 1] - off[c], k, tmp.get(), out);
+        finish(ckey.get() + off[c], cidx.get() + off[c], off[c + 1] - off[c], k, tmp.get(), out, simd);
       } else {
         if (!fkey) {
           fkey = buffer<A>(rows);
@@ -992,7 +1073,7 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
           fkey[i] = key_of<A>(a[i * cols + f]);
           fidx[i] = i;
         }
-        finish(fkey.get(), fidx.get(), rows, k, tmp.get(), out);
+        finish(fkey.get(), fidx.get(), rows, k, tmp.get(), out, simd);
       }
       T* vo = values + f * k;
       for (int64_t j = 0; j < k; ++j) vo[j] = a[out[j] * cols + f];
