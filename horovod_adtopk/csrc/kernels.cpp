@@ -160,6 +160,14 @@ template <typename A> void finish_by_rank(const A* ckey, const int64_t* cidx, in
 }
 
 #if HAT_X86_SIMD
+// The sum of 8 int32 lanes.
+HAT_AVX2 inline int32_t hsum8(__m256i a) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  return _mm_cvtsi128_si32(s4);
+}
+
 // finish_by_rank with 8 comparisons at a time (float keys).
 HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
   const int64_t c8 = c - c % 8;
@@ -174,10 +182,7 @@ HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_
       const __m256 ge = _mm256_cmp_ps(kj, v, _CMP_GE_OQ), gt = _mm256_cmp_ps(kj, v, _CMP_GT_OQ);
       acc = _mm256_sub_epi32(acc, _mm256_castps_si256(_mm256_blendv_ps(gt, ge, _mm256_castsi256_ps(before))));
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    int32_t above = _mm_cvtsi128_si32(s4);
+    int32_t above = hsum8(acc);
     for (int64_t j = c8; j < c; ++j) above += j < i ? ckey[j] >= ckey[i] : (j > i && ckey[j] > ckey[i]);
     out[o] = cidx[i];
     o += above < k;
@@ -194,14 +199,7 @@ HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_
 // Cost: about rounds * c / 8 compares against c * c / 8 for the ranking, which wins below RADIX_MIN
 // candidates; above RADIX_MAX (measured up to a few thousand) nth_element is kept.
 constexpr int64_t RADIX_MIN = 24, RADIX_MAX = 4096;
-static_assert(RADIX_MIN >= 8, "finish_by_radix_avx2 reads at least one full vector");
-
-HAT_AVX2 inline int32_t hsum8(__m256i a) {
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-  return _mm_cvtsi128_si32(s4);
-}
+static_assert(RADIX_MIN >= 8 && RADIX_MIN <= RANK_MAX, "the radix search reads a full vector; counting covers below it");
 
 HAT_AVX2 void finish_by_radix_avx2(const float* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
   const int32_t* u = reinterpret_cast<const int32_t*>(ckey);  // keys >= 0: sign bit clear, int order = float order
@@ -269,17 +267,11 @@ void finish(const A* ckey, const int64_t* cidx, int64_t c, int64_t k, A* tmp, in
   }
 #if HAT_X86_SIMD
   if constexpr (std::is_same<A, float>::value) {
-    if (simd && c >= RADIX_MIN && c <= RADIX_MAX) return finish_by_radix_avx2(ckey, cidx, c, k, out);
+    if (simd && c < RADIX_MIN) return finish_by_rank_avx2(ckey, cidx, c, k, out);
+    if (simd && c <= RADIX_MAX) return finish_by_radix_avx2(ckey, cidx, c, k, out);
   }
 #endif
-  if (c <= RANK_MAX) {
-#if HAT_X86_SIMD
-    if constexpr (std::is_same<A, float>::value) {
-      if (simd) return finish_by_rank_avx2(ckey, cidx, c, k, out);
-    }
-#endif
-    return finish_by_rank(ckey, cidx, c, k, out);
-  }
+  if (c <= RANK_MAX) return finish_by_rank(ckey, cidx, c, k, out);
   const A kth = kth_largest(ckey, c, k, tmp);
   int64_t gt = 0;
   for (int64_t j = 0; j < c; ++j) gt += ckey[j] > kth;
