@@ -170,7 +170,7 @@ def main() -> int:
               "min_fiber_len": a.min_fiber_len, "results": {}}
     head = ["shape", "dtype", "axis old->new", *[f"{c} ms" for c in CONFIGS], "read ms", "add ms",
             "legacy/rule", "before/add", "rule/add", "rule/read", "rule/join", "join/read", "joincols/read",
-            "steady/read", "hinted/read", "join+hint/read", "add GB/s"]
+            "steady/read", "hinted/read", "join+hint/read", "hinted/add", "join+hint/add", "add GB/s"]
     rows = []
     for dt in a.dtypes:
         for name in (short[n] for n in a.shapes):
@@ -183,7 +183,8 @@ def main() -> int:
                          f"{m['rule'] / m['add']:.1f}", f"{m['rule'] / m['read']:.1f}", f"{m['rule'] / m['join']:.2f}",
                          f"{m['join'] / m['read']:.1f}", f"{m['joincols'] / m['read']:.1f}",
                          f"{m['steady'] / m['read']:.1f}", f"{m['hinted'] / m['read']:.1f}",
-                         f"{m['join+hint'] / m['read']:.1f}", f"{m['add_gbytes_per_s']:.1f}"])
+                         f"{m['join+hint'] / m['read']:.1f}", f"{m['hinted'] / m['add']:.2f}",
+                         f"{m['join+hint'] / m['add']:.2f}", f"{m['add_gbytes_per_s']:.1f}"])
             print(rows[-1], flush=True)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     text = common.table(head, rows)

@@ -145,6 +145,8 @@ template <typename A> A group_threshold(const A* v, int64_t m, int64_t k, A* tmp
 // Few candidates: rank every one by counting (the keys above it, and equal keys at lower indices), with no
 // data-dependent branch; nth_element's comparisons mispredict about half the time at these sizes.
 constexpr int64_t RANK_MAX = 64;
+// With AVX2 (float keys): counting ranks below RADIX_MIN candidates, the bitwise search up to RADIX_MAX.
+constexpr int64_t RADIX_MIN = 24, RADIX_MAX = 4096;
 
 // out holds k positions: the loop ends with the k-th (every write is at o < k).
 template <typename A> void finish_by_rank(const A* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
@@ -168,24 +170,30 @@ HAT_AVX2 inline int32_t hsum8(__m256i a) {
   return _mm_cvtsi128_si32(s4);
 }
 
-// finish_by_rank with 8 comparisons at a time (float keys).
+// finish_by_rank for fewer than RADIX_MIN candidates (float keys), 8 candidates ranked at once: every
+// candidate j is broadcast and compared with a vector of 8 candidates i (>= where j < i, > where j > i), so
+// the ranks come out in lanes with no horizontal sum; the keys are copied into a buffer padded with -1, a
+// key below every real one, so the lanes beyond c rank last and are masked off.
 HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
-  const int64_t c8 = c - c % 8;
+  alignas(32) float kk[RADIX_MIN + 8];
+  const int64_t cp = (c + 7) & ~int64_t(7);
+  std::copy(ckey, ckey + c, kk);
+  std::fill(kk + c, kk + cp, -1.0f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), kv = _mm256_set1_epi32(static_cast<int>(k));
   int64_t o = 0;
-  for (int64_t i = 0; i < c && o < k; ++i) {
-    const __m256 v = _mm256_set1_ps(ckey[i]);
-    __m256i acc = _mm256_setzero_si256();
-    for (int64_t j = 0; j < c8; j += 8) {  // j < i counts >=, j > i counts >, j == i counts nothing
-      const __m256 kj = _mm256_loadu_ps(ckey + j);
-      const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(j)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(i)), jj);
-      const __m256 ge = _mm256_cmp_ps(kj, v, _CMP_GE_OQ), gt = _mm256_cmp_ps(kj, v, _CMP_GT_OQ);
-      acc = _mm256_sub_epi32(acc, _mm256_castps_si256(_mm256_blendv_ps(gt, ge, _mm256_castsi256_ps(before))));
+  for (int64_t i0 = 0; i0 < cp; i0 += 8) {
+    const __m256 vi = _mm256_load_ps(kk + i0);
+    const __m256i ii = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(i0)), lane);
+    __m256i above = _mm256_setzero_si256();
+    for (int64_t j = 0; j < c; ++j) {
+      const __m256 vj = _mm256_set1_ps(kk[j]);
+      const __m256 before = _mm256_castsi256_ps(_mm256_cmpgt_epi32(ii, _mm256_set1_epi32(static_cast<int>(j))));
+      const __m256 ge = _mm256_cmp_ps(vj, vi, _CMP_GE_OQ), gt = _mm256_cmp_ps(vj, vi, _CMP_GT_OQ);
+      above = _mm256_sub_epi32(above, _mm256_castps_si256(_mm256_blendv_ps(gt, ge, before)));
     }
-    int32_t above = hsum8(acc);
-    for (int64_t j = c8; j < c; ++j) above += j < i ? ckey[j] >= ckey[i] : (j > i && ckey[j] > ckey[i]);
-    out[o] = cidx[i];
-    o += above < k;
+    unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(kv, above))));
+    if (i0 + 8 > c) m &= (1u << (c - i0)) - 1u;
+    for (; m != 0; m &= m - 1) out[o++] = cidx[i0 + __builtin_ctz(m)];
   }
 }
 
@@ -198,7 +206,6 @@ HAT_AVX2 void finish_by_rank_avx2(const float* ckey, const int64_t* cidx, int64_
 // above T is taken and the keys equal to T in ascending index order until k are: what finish_by_rank gives.
 // Cost: about rounds * c / 8 compares against c * c / 8 for the ranking, which wins below RADIX_MIN
 // candidates; above RADIX_MAX (measured up to a few thousand) nth_element is kept.
-constexpr int64_t RADIX_MIN = 24, RADIX_MAX = 4096;
 static_assert(RADIX_MIN >= 8 && RADIX_MIN <= RANK_MAX, "the radix search reads a full vector; counting covers below it");
 
 HAT_AVX2 void finish_by_radix_avx2(const float* ckey, const int64_t* cidx, int64_t c, int64_t k, int64_t* out) {
@@ -559,47 +566,59 @@ int64_t hinted_pass_scalar(T* x, const T* g, int64_t n, A t, A* ckey, int64_t* c
 }
 
 #if HAT_X86_SIMD
-// hinted_pass_scalar on 8 entries at a time. The pass only records which lanes pass (a byte per 8 entries,
-// no branches); the passing entries are then collected word by word from that bitmap (bits, room for
-// n / 8 + 8 bytes), so the branches taken are one per candidate rather than one per vector.
+// For every 8-lane mask: the passing lanes in ascending order, packed to the front (then zeros), and how many
+// there are. One permute and one store then compact 8 keys (or their indices) without a branch.
+struct CompactTable {
+  alignas(32) int32_t perm[256][8];
+  uint8_t count[256];
+  CompactTable() {
+    for (int m = 0; m < 256; ++m) {
+      int o = 0;
+      for (int l = 0; l < 8; ++l)
+        if ((m >> l) & 1) perm[m][o++] = l;
+      count[m] = static_cast<uint8_t>(o);
+      for (; o < 8; ++o) perm[m][o] = 0;
+    }
+  }
+};
+const CompactTable kCompact;
+
+// hinted_pass_scalar on 8 entries at a time, with no data-dependent branch: every vector's passing keys and
+// their indices are packed (kCompact) and stored at the candidates' end, which then moves by their count.
+// ckey needs room for n + 8 keys, idx for n + 8 int32 indices (the fiber is shorter than 2^31); the
+// candidates' indices are then widened into cidx.
 template <typename T>
-HAT_AVX2 int64_t hinted_pass_avx2(T* x, const T* g, int64_t n, float t, float* ckey, int64_t* cidx, uint8_t* bits) {
+HAT_AVX2 int64_t hinted_pass_avx2(T* x, const T* g, int64_t n, float t, float* ckey, int64_t* cidx, int32_t* idx) {
   const __m256 tv = _mm256_set1_ps(t);
-  const int64_t n8 = n - n % 8, nw = (n + 63) / 64;
-  std::memset(bits + 8 * (nw - 1), 0, 8);  // the last word's unused bytes
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t n8 = n - n % 8;
+  int64_t c = 0;
   for (int64_t i = 0; i < n8; i += 8) {
     const __m256 kv = step8<T>(x + i, g != nullptr ? g + i : nullptr);
-    bits[i / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(kv, tv, _CMP_GE_OQ)));
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(kv, tv, _CMP_GE_OQ));
+    const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
+    _mm256_storeu_ps(ckey + c, _mm256_permutevar8x32_ps(kv, p));
+    const __m256i ii = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i)), lane);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + c), _mm256_permutevar8x32_epi32(ii, p));
+    c += kCompact.count[m];
   }
-  if (n8 < n) {
-    uint8_t m = 0;
-    for (int64_t i = n8; i < n; ++i) {
-      if (g != nullptr) x[i] = add_as<T, float>(x[i], g[i]);
-      m |= static_cast<uint8_t>((key_of<float>(x[i]) >= t) << (i - n8));
-    }
-    bits[n8 / 8] = m;
+  for (int64_t i = n8; i < n; ++i) {
+    if (g != nullptr) x[i] = add_as<T, float>(x[i], g[i]);
+    const float v = key_of<float>(x[i]);
+    ckey[c] = v;
+    idx[c] = static_cast<int32_t>(i);
+    c += v >= t;
   }
-  int64_t c = 0;
-  for (int64_t w = 0; w < nw; ++w) {
-    uint64_t word;
-    std::memcpy(&word, bits + 8 * w, 8);
-    while (word != 0) {
-      const int64_t i = 64 * w + __builtin_ctzll(word);
-      ckey[c] = key_of<float>(x[i]);
-      cidx[c] = i;
-      ++c;
-      word &= word - 1;
-    }
-  }
+  for (int64_t j = 0; j < c; ++j) cidx[j] = idx[j];
   return c;
 }
 #endif
 
 template <typename T, typename A>
-int64_t hinted_pass(T* x, const T* g, int64_t n, A t, A* ckey, int64_t* cidx, uint8_t* bits, bool simd) {
+int64_t hinted_pass(T* x, const T* g, int64_t n, A t, A* ckey, int64_t* cidx, int32_t* idx, bool simd) {
 #if HAT_X86_SIMD
   if constexpr (HasLanes<T>::value) {
-    if (simd) return hinted_pass_avx2<T>(x, g, n, t, ckey, cidx, bits);
+    if (simd && n < INT32_MAX) return hinted_pass_avx2<T>(x, g, n, t, ckey, cidx, idx);
   }
 #endif
   return hinted_pass_scalar<T, A>(x, g, n, t, ckey, cidx);
@@ -620,7 +639,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
     Scratch<A> s;
     s.reserve(n);
     auto gm = buffer<A>(G);
-    auto bits = buffer<uint8_t>(hint != nullptr ? n / 8 + 16 : 0);
+    auto idx = buffer<int32_t>(hint != nullptr ? n + 8 : 0);
     A* ckey = s.ckey.get();
     int64_t* cidx = s.cidx.get();
     for (int64_t r = r0; r < r1; ++r) {
@@ -630,7 +649,7 @@ void adtopk_rows(T* a, const T* g, int64_t rows, int64_t n, int64_t k, bool zero
       int64_t c = 0;
       bool hinted = false;
       if (hint != nullptr && hint[r] > 0) {  // one fused pass against the hint; gr is then added
-        c = hinted_pass<T, A>(x, gr, n, ceil_to<A>(hint[r]), ckey, cidx, bits.get(), simd);
+        c = hinted_pass<T, A>(x, gr, n, ceil_to<A>(hint[r]), ckey, cidx, idx.get(), simd);
         hinted = c >= k;
         gr = nullptr;
       }
@@ -867,29 +886,43 @@ void slab_add(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t 
   }
 }
 
-// The candidates of a slab, in row-major order as the second pass finds them: column, row, key.
+// The candidates of a slab, in row-major order as the second pass finds them: column and key (the caller
+// records where each row's candidates begin).
 template <typename A> struct SlabCandidates {
-  std::vector<int32_t> col;
-  std::vector<int64_t> row;
-  std::vector<A> key;
-  void reserve(size_t n) {
-    col.reserve(n);
-    row.reserve(n);
-    key.reserve(n);
+  std::unique_ptr<int32_t[]> col;
+  std::unique_ptr<A[]> key;
+  size_t n = 0, cap = 0;  // cap > n: vector stores may run past the n candidates
+  void reserve(size_t m) {
+    if (m <= cap) return;
+    grow(col, m);
+    grow(key, m);
+    cap = m;
   }
-  void add(int64_t c, int64_t i, A v) {
-    col.push_back(static_cast<int32_t>(c));
-    row.push_back(i);
-    key.push_back(v);
+  // Room for `extra` more candidates past n.
+  void room(size_t extra) {
+    if (n + extra > cap) reserve(std::max(2 * cap, n + extra));
+  }
+  void add(int64_t c, A v) {
+    room(1);
+    col[n] = static_cast<int32_t>(c);
+    key[n] = v;
+    ++n;
+  }
+
+ private:
+  template <typename U> void grow(std::unique_ptr<U[]>& p, size_t m) {
+    std::unique_ptr<U[]> q(new U[m]);  // left uninitialised: only [0, n) is read
+    if (n > 0) std::copy(p.get(), p.get() + n, q.get());
+    p = std::move(q);
   }
 };
 
 // Appends the entries of row i (x[0..W), columns c0 + c) whose key reaches thr[c].
 template <typename T, typename A>
-void slab_candidates_row(const T* x, int64_t W, int64_t c0, int64_t i, const A* thr, SlabCandidates<A>& out) {
+void slab_candidates_row(const T* x, int64_t W, int64_t c0, const A* thr, SlabCandidates<A>& out) {
   for (int64_t c = 0; c < W; ++c) {
     const A v = key_of<A>(x[c]);
-    if (v >= thr[c]) out.add(c0 + c, i, v);
+    if (v >= thr[c]) out.add(c0 + c, v);
   }
 }
 
@@ -929,43 +962,42 @@ HAT_AVX2 void slab_add_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_
   }
 }
 
-// slab_candidates_row comparing 8 keys at a time; only the (few) passing lanes are appended.
-template <typename T>
-HAT_AVX2 void slab_candidates_row_avx2(const T* x, int64_t W, int64_t c0, int64_t i, const float* thr,
-                                       SlabCandidates<float>& out) {
-  const int64_t W8 = W - W % 8;
-  for (int64_t j = 0; j < W8; j += 8) {
-    const __m256 kv = keys8(Lanes<T>::load(x + j));
-    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr + j), _CMP_GE_OQ)));
-    while (mask != 0) {
-      const int64_t c = j + __builtin_ctz(mask);
-      mask &= mask - 1;
-      out.add(c0 + c, i, key_of<float>(x[c]));
-    }
-  }
-  slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, i, thr + W8, out);
+// The candidates among 8 entries of a row (keys kv, columns c, c + 1, ...) reaching thr[j ...], packed (kCompact)
+// and stored at the end of out's arrays with no data-dependent branch; the caller made room for them.
+HAT_AVX2 inline void slab_compact8(__m256 kv, const float* thr, int64_t c, float* kp, int32_t* cp, size_t& n) {
+  const int m = _mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr), _CMP_GE_OQ));
+  const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
+  _mm256_storeu_ps(kp + n, _mm256_permutevar8x32_ps(kv, p));
+  const __m256i cc = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(cp + n), _mm256_permutevar8x32_epi32(cc, p));
+  n += kCompact.count[m];
 }
 
-// slab_candidates_row after x += g on the row (the hinted slab: one pass instead of two).
+// slab_candidates_row on 8 columns at a time (float keys).
 template <typename T>
-HAT_AVX2 void slab_step_candidates_row_avx2(T* x, const T* g, int64_t W, int64_t c0, int64_t i, const float* thr,
+HAT_AVX2 void slab_candidates_row_avx2(const T* x, int64_t W, int64_t c0, const float* thr,
+                                       SlabCandidates<float>& out) {
+  const int64_t W8 = W - W % 8;
+  out.room(static_cast<size_t>(W8) + 8);
+  size_t n = out.n;
+  for (int64_t j = 0; j < W8; j += 8)
+    slab_compact8(keys8(Lanes<T>::load(x + j)), thr + j, c0 + j, out.key.get(), out.col.get(), n);
+  out.n = n;
+  slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, thr + W8, out);
+}
+
+// slab_candidates_row_avx2 fused with x += g: the sums are stored, their keys compared with thr.
+template <typename T>
+HAT_AVX2 void slab_step_candidates_row_avx2(T* x, const T* g, int64_t W, int64_t c0, const float* thr,
                                             SlabCandidates<float>& out) {
   const int64_t W8 = W - W % 8;
-  alignas(32) float kk[8];
-  for (int64_t j = 0; j < W8; j += 8) {
-    const __m256 kv = step8<T>(x + j, g + j);
-    unsigned mask = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr + j), _CMP_GE_OQ)));
-    if (mask != 0) {
-      _mm256_store_ps(kk, kv);
-      do {
-        const int l = __builtin_ctz(mask);
-        mask &= mask - 1;
-        out.add(c0 + j + l, i, kk[l]);
-      } while (mask != 0);
-    }
-  }
+  out.room(static_cast<size_t>(W8) + 8);
+  size_t n = out.n;
+  for (int64_t j = 0; j < W8; j += 8)
+    slab_compact8(step8<T>(x + j, g + j), thr + j, c0 + j, out.key.get(), out.col.get(), n);
+  out.n = n;
   for (int64_t j = W8; j < W; ++j) x[j] = add_as<T, float>(x[j], g[j]);
-  slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, i, thr + W8, out);
+  slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, thr + W8, out);
 }
 #endif
 
@@ -1018,23 +1050,26 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
     // 3. the candidates, row-major, then grouped by column (a stable counting sort keeps rows ascending).
     SlabCandidates<A> cand;
     cand.reserve(static_cast<size_t>(W) * static_cast<size_t>((hinted ? 3 * k : k + k / 2) + BLOCK));
+    auto row_start = buffer<int64_t>(rows + 1);  // row i's candidates are [row_start[i], row_start[i + 1])
     for (int64_t i = 0; i < rows; ++i) {
       const T* x = a + i * cols + c0;
+      row_start[i] = static_cast<int64_t>(cand.n);
 #if HAT_X86_SIMD
       if constexpr (HasLanes<T>::value) {
         if (fused) {
-          slab_step_candidates_row_avx2<T>(a + i * cols + c0, g + i * cols + c0, W, c0, i, thr.get(), cand);
+          slab_step_candidates_row_avx2<T>(a + i * cols + c0, g + i * cols + c0, W, c0, thr.get(), cand);
           continue;
         }
         if (vec) {
-          slab_candidates_row_avx2<T>(x, W, c0, i, thr.get(), cand);
+          slab_candidates_row_avx2<T>(x, W, c0, thr.get(), cand);
           continue;
         }
       }
 #endif
-      slab_candidates_row<T, A>(x, W, c0, i, thr.get(), cand);
+      slab_candidates_row<T, A>(x, W, c0, thr.get(), cand);
     }
-    const int64_t total = static_cast<int64_t>(cand.key.size());
+    const int64_t total = static_cast<int64_t>(cand.n);
+    row_start[rows] = total;
     auto off = buffer<int64_t>(W + 1), fill = buffer<int64_t>(W);
     std::fill(off.get(), off.get() + W + 1, 0);
     for (int64_t q = 0; q < total; ++q) ++off[cand.col[q] - c0 + 1];
@@ -1042,11 +1077,12 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
     std::copy(off.get(), off.get() + W, fill.get());
     auto ckey = buffer<A>(total);
     auto cidx = buffer<int64_t>(total);
-    for (int64_t q = 0; q < total; ++q) {
-      const int64_t o = fill[cand.col[q] - c0]++;
-      ckey[o] = cand.key[q];
-      cidx[o] = cand.row[q];
-    }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t q = row_start[i]; q < row_start[i + 1]; ++q) {
+        const int64_t o = fill[cand.col[q] - c0]++;
+        ckey[o] = cand.key[q];
+        cidx[o] = i;
+      }
     // 4. the exact top-k of every column among its candidates (all of its entries where a sampled threshold
     // or a hint left fewer than k).
     std::unique_ptr<A[]> fkey;
