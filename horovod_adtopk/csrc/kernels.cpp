@@ -917,7 +917,7 @@ template <typename A> struct SlabCandidates {
   }
 };
 
-// Appends the entries of row i (x[0..W), columns c0 + c) whose key reaches thr[c].
+// Appends the entries of a row (x[0..W), columns c0 + c) whose key reaches thr[c].
 template <typename T, typename A>
 void slab_candidates_row(const T* x, int64_t W, int64_t c0, const A* thr, SlabCandidates<A>& out) {
   for (int64_t c = 0; c < W; ++c) {
@@ -962,8 +962,8 @@ HAT_AVX2 void slab_add_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_
   }
 }
 
-// The candidates among 8 entries of a row (keys kv, columns c, c + 1, ...) reaching thr[j ...], packed (kCompact)
-// and stored at the end of out's arrays with no data-dependent branch; the caller made room for them.
+// The candidates among 8 entries of a row (keys kv, columns c .. c + 7) reaching thr[0..8), packed (kCompact)
+// and stored at the end of the key and column arrays with no data-dependent branch; the caller made room.
 HAT_AVX2 inline void slab_compact8(__m256 kv, const float* thr, int64_t c, float* kp, int32_t* cp, size_t& n) {
   const int m = _mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr), _CMP_GE_OQ));
   const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
