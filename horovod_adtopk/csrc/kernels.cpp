@@ -583,6 +583,16 @@ struct CompactTable {
 };
 const CompactTable kCompact;
 
+// Stores the keys kv of the lanes set in mask m, and their positions base + lane as int32, at kp + n and
+// ip + n (room for 8 more past n), packed in ascending lane order; n moves on by their count.
+HAT_AVX2 inline void compact8(__m256 kv, int m, int64_t base, float* kp, int32_t* ip, int64_t& n) {
+  const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
+  _mm256_storeu_ps(kp + n, _mm256_permutevar8x32_ps(kv, p));
+  const __m256i pos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(ip + n), _mm256_permutevar8x32_epi32(pos, p));
+  n += kCompact.count[m];
+}
+
 // hinted_pass_scalar on 8 entries at a time, with no data-dependent branch: every vector's passing keys and
 // their indices are packed (kCompact) and stored at the candidates' end, which then moves by their count.
 // ckey needs room for n + 8 keys, idx for n + 8 int32 indices (the fiber is shorter than 2^31); the
@@ -590,17 +600,11 @@ const CompactTable kCompact;
 template <typename T>
 HAT_AVX2 int64_t hinted_pass_avx2(T* x, const T* g, int64_t n, float t, float* ckey, int64_t* cidx, int32_t* idx) {
   const __m256 tv = _mm256_set1_ps(t);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t n8 = n - n % 8;
   int64_t c = 0;
   for (int64_t i = 0; i < n8; i += 8) {
     const __m256 kv = step8<T>(x + i, g != nullptr ? g + i : nullptr);
-    const int m = _mm256_movemask_ps(_mm256_cmp_ps(kv, tv, _CMP_GE_OQ));
-    const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
-    _mm256_storeu_ps(ckey + c, _mm256_permutevar8x32_ps(kv, p));
-    const __m256i ii = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i)), lane);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(idx + c), _mm256_permutevar8x32_epi32(ii, p));
-    c += kCompact.count[m];
+    compact8(kv, _mm256_movemask_ps(_mm256_cmp_ps(kv, tv, _CMP_GE_OQ)), i, ckey, idx, c);
   }
   for (int64_t i = n8; i < n; ++i) {
     if (g != nullptr) x[i] = add_as<T, float>(x[i], g[i]);
@@ -891,15 +895,15 @@ void slab_add(T* a, const T* g, int64_t rows, int64_t cols, int64_t c0, int64_t 
 template <typename A> struct SlabCandidates {
   std::unique_ptr<int32_t[]> col;
   std::unique_ptr<A[]> key;
-  size_t n = 0, cap = 0;  // cap > n: vector stores may run past the n candidates
-  void reserve(size_t m) {
+  int64_t n = 0, cap = 0;  // cap > n: vector stores may run past the n candidates
+  void reserve(int64_t m) {
     if (m <= cap) return;
     grow(col, m);
     grow(key, m);
     cap = m;
   }
   // Room for `extra` more candidates past n.
-  void room(size_t extra) {
+  void room(int64_t extra) {
     if (n + extra > cap) reserve(std::max(2 * cap, n + extra));
   }
   void add(int64_t c, A v) {
@@ -910,7 +914,7 @@ template <typename A> struct SlabCandidates {
   }
 
  private:
-  template <typename U> void grow(std::unique_ptr<U[]>& p, size_t m) {
+  template <typename U> void grow(std::unique_ptr<U[]>& p, int64_t m) {
     std::unique_ptr<U[]> q(new U[m]);  // left uninitialised: only [0, n) is read
     if (n > 0) std::copy(p.get(), p.get() + n, q.get());
     p = std::move(q);
@@ -962,15 +966,11 @@ HAT_AVX2 void slab_add_avx2(T* a, const T* g, int64_t rows, int64_t cols, int64_
   }
 }
 
-// The candidates among 8 entries of a row (keys kv, columns c .. c + 7) reaching thr[0..8), packed (kCompact)
-// and stored at the end of the key and column arrays with no data-dependent branch; the caller made room.
-HAT_AVX2 inline void slab_compact8(__m256 kv, const float* thr, int64_t c, float* kp, int32_t* cp, size_t& n) {
-  const int m = _mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr), _CMP_GE_OQ));
-  const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.perm[m]));
-  _mm256_storeu_ps(kp + n, _mm256_permutevar8x32_ps(kv, p));
-  const __m256i cc = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(cp + n), _mm256_permutevar8x32_epi32(cc, p));
-  n += kCompact.count[m];
+// The candidates among 8 entries of a row (keys kv, columns c .. c + 7) reaching thr[0..8), appended to out
+// with no data-dependent branch; the caller made room.
+HAT_AVX2 inline void slab_compact8(__m256 kv, const float* thr, int64_t c, SlabCandidates<float>& out) {
+  compact8(kv, _mm256_movemask_ps(_mm256_cmp_ps(kv, _mm256_loadu_ps(thr), _CMP_GE_OQ)), c, out.key.get(),
+           out.col.get(), out.n);
 }
 
 // slab_candidates_row on 8 columns at a time (float keys).
@@ -978,11 +978,8 @@ template <typename T>
 HAT_AVX2 void slab_candidates_row_avx2(const T* x, int64_t W, int64_t c0, const float* thr,
                                        SlabCandidates<float>& out) {
   const int64_t W8 = W - W % 8;
-  out.room(static_cast<size_t>(W8) + 8);
-  size_t n = out.n;
-  for (int64_t j = 0; j < W8; j += 8)
-    slab_compact8(keys8(Lanes<T>::load(x + j)), thr + j, c0 + j, out.key.get(), out.col.get(), n);
-  out.n = n;
+  out.room(W8 + 8);
+  for (int64_t j = 0; j < W8; j += 8) slab_compact8(keys8(Lanes<T>::load(x + j)), thr + j, c0 + j, out);
   slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, thr + W8, out);
 }
 
@@ -991,11 +988,8 @@ template <typename T>
 HAT_AVX2 void slab_step_candidates_row_avx2(T* x, const T* g, int64_t W, int64_t c0, const float* thr,
                                             SlabCandidates<float>& out) {
   const int64_t W8 = W - W % 8;
-  out.room(static_cast<size_t>(W8) + 8);
-  size_t n = out.n;
-  for (int64_t j = 0; j < W8; j += 8)
-    slab_compact8(step8<T>(x + j, g + j), thr + j, c0 + j, out.key.get(), out.col.get(), n);
-  out.n = n;
+  out.room(W8 + 8);
+  for (int64_t j = 0; j < W8; j += 8) slab_compact8(step8<T>(x + j, g + j), thr + j, c0 + j, out);
   for (int64_t j = W8; j < W; ++j) x[j] = add_as<T, float>(x[j], g[j]);
   slab_candidates_row<T, float>(x + W8, W - W8, c0 + W8, thr + W8, out);
 }
@@ -1049,11 +1043,11 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
     }
     // 3. the candidates, row-major, then grouped by column (a stable counting sort keeps rows ascending).
     SlabCandidates<A> cand;
-    cand.reserve(static_cast<size_t>(W) * static_cast<size_t>((hinted ? 3 * k : k + k / 2) + BLOCK));
+    cand.reserve(W * ((hinted ? 3 * k : k + k / 2) + BLOCK));
     auto row_start = buffer<int64_t>(rows + 1);  // row i's candidates are [row_start[i], row_start[i + 1])
     for (int64_t i = 0; i < rows; ++i) {
       const T* x = a + i * cols + c0;
-      row_start[i] = static_cast<int64_t>(cand.n);
+      row_start[i] = cand.n;
 #if HAT_X86_SIMD
       if constexpr (HasLanes<T>::value) {
         if (fused) {
@@ -1068,7 +1062,7 @@ void adtopk_cols_slabs(T* a, const T* g, int64_t rows, int64_t cols, int64_t k, 
 #endif
       slab_candidates_row<T, A>(x, W, c0, thr.get(), cand);
     }
-    const int64_t total = static_cast<int64_t>(cand.n);
+    const int64_t total = cand.n;
     row_start[rows] = total;
     auto off = buffer<int64_t>(W + 1), fill = buffer<int64_t>(W);
     std::fill(off.get(), off.get() + W + 1, 0);
