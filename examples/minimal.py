@@ -74,8 +74,8 @@ for epoch in range(args.epochs):
     if hvd.rank() == 0:
         print(f"epoch {epoch + 1}: train loss {loss.item():.4f}, test accuracy {correct / total:.4f}", flush=True)
 
-stats = optimizer.stats()  # this rank's counters: bytes sent, what a dense allreduce would have sent, density
+stats = optimizer.stats()  # this rank's counters: what its link carried, what a dense allreduce would have, density
 if hvd.rank() == 0:
-    print(f"sent {stats['bytes_sent'] / 1e6:.2f} MB instead of {stats['bytes_dense'] / 1e6:.2f} MB dense "
-          f"({stats['bytes_dense'] / max(stats['bytes_sent'], 1):.0f}x less), density {stats['density']:.4f}",
-          flush=True)
+    print(f"link carried {stats['wire_bytes_sent'] / 1e6:.2f} MB sent / {stats['wire_bytes_received'] / 1e6:.2f} MB "
+          f"received instead of {stats['wire_bytes_dense'] / 1e6:.2f} MB for a dense allreduce at {hvd.size()} ranks "
+          f"({stats['wire_compression']:.0f}x less), density {stats['density']:.4f}", flush=True)

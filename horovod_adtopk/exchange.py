@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 
+from . import netcost
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
@@ -178,13 +179,13 @@ class SparseSender:
         return exchange
 
     def _account(self, accounting: tuple) -> None:
-        name, numel, elements, sent, seconds = accounting
-        self.stats.record(name, numel, elements, sent)
+        name, numel, elements, sent, wire, seconds = accounting
+        self.stats.record(name, numel, elements, sent, wire=wire, world=self.comm.size())
         self.timed(name, 0, seconds)
 
     def _build(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int):
-        """The exchange and its accounting ``(name, numel, elements, bytes, seconds)``; touches no counter, so
-        the overlap worker can run it."""
+        """The exchange and its accounting ``(name, numel, elements, bytes, wire, seconds)``; touches no
+        counter, so the overlap worker can run it."""
         c = self.compression
         start = time.perf_counter()
         wire_dtype = c.wire_value_dtype(info.dtype)
@@ -197,6 +198,7 @@ class SparseSender:
             handle = self.comm.allreduce_async_(values, tag, self.op, 1.0, self.postscale)
             exchange = SharedExchange(self, p, info, s.flat, handle)
             sent = payload_bytes(values)
+            wire = netcost.allreduce(sent, self.comm.size())
         else:
             payload = pack(s.wire_values, s.wire_index, wire_dtype, s.codec.index_dtype)
             count_handle = None
@@ -206,7 +208,10 @@ class SparseSender:
             handle = self.comm.allgather_async(payload, tag)
             exchange = SparseExchange(self, p, info, s.codec, wire_dtype, handle, count_handle)
             sent = payload_bytes(payload) + (COUNT_BYTES if count_handle is not None else 0)
-        return exchange, (info.name, info.numel, s.values.numel(), sent, time.perf_counter() - start)
+            wire = netcost.allgather(payload_bytes(payload), self.comm.size())
+            if count_handle is not None:
+                wire = wire + netcost.allgather(COUNT_BYTES, self.comm.size())
+        return exchange, (info.name, info.numel, s.values.numel(), sent, wire, time.perf_counter() - start)
 
     def scrub_nonfinite(self) -> int:
         """Zero NaN/Inf left in the memory of tensors that sent a non-finite value this round; returns how

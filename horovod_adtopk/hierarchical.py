@@ -38,12 +38,14 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import netcost
 from .communicator import Communicator, dynamic_process_sets, host_layout, process_sets
 from .compressors import ADTopkCompressor, SparseCompressor, TensorInfo
 from .exchange import UPCAST, Exchange, SparseSender, _store
 from .memory import ErrorFeedback
 from .selection import matrix_view_shape
 from .stats import Stats
+from .wire import COUNT_BYTES, block_bytes, dtype_bytes
 
 STATE_FORMAT = 1
 
@@ -53,12 +55,21 @@ STATE_FORMAT = 1
 @dataclass(frozen=True)
 class LinkModel:
     """Alpha-beta links: ``alpha`` seconds per message, ``bandwidth`` bytes per second, inside a host
-    (``intra``) and between hosts (``inter``; one link per host, shared by its ranks)."""
+    (``intra``) and between hosts (``inter``; one link per host, shared by its ranks). The times are
+    :mod:`horovod_adtopk.netcost`'s, on :attr:`intra` or :attr:`inter`."""
 
     intra_alpha: float
     intra_bandwidth: float
     inter_alpha: float
     inter_bandwidth: float
+
+    @property
+    def intra(self) -> netcost.Link:
+        return netcost.Link(bandwidth=self.intra_bandwidth, latency=self.intra_alpha)
+
+    @property
+    def inter(self) -> netcost.Link:
+        return netcost.Link(bandwidth=self.inter_bandwidth, latency=self.inter_alpha)
 
 
 #: what ``hierarchical="auto"`` assumes: 10 Gbit/s Ethernet between hosts, 100 Gbit/s-class inside a host
@@ -68,29 +79,21 @@ DEFAULT_LINKS = LinkModel(intra_alpha=10e-6, intra_bandwidth=12.5e9, inter_alpha
 def flat_allgather_seconds(payload: float, hosts: int, local: int, links: LinkModel) -> float:
     """A ring allgather of ``payload`` bytes per rank over all ``W = hosts * local`` ranks, ordered by host:
     ``W - 1`` steps; each host's link carries ``W - 1`` payloads each way (one ring edge leaves the host)."""
-    world = hosts * local
-    if world <= 1:
-        return 0.0
-    if hosts <= 1:
-        return (world - 1) * (links.intra_alpha + payload / links.intra_bandwidth)
-    return (world - 1) * (links.inter_alpha + payload / links.inter_bandwidth)
+    return netcost.seconds(netcost.ALLGATHER, int(payload), hosts * local, links.inter if hosts > 1 else links.intra)
 
 
 def dense_allreduce_seconds(dense: float, hosts: int, local: int, links: LinkModel) -> float:
     """A ring allreduce of ``dense`` bytes over all ranks: ``2 (W - 1)`` steps of ``dense / W`` bytes."""
-    world = hosts * local
-    if world <= 1:
-        return 0.0
-    alpha, bw = (links.intra_alpha, links.intra_bandwidth) if hosts <= 1 else (links.inter_alpha, links.inter_bandwidth)
-    return 2 * (world - 1) * (alpha + dense / world / bw)
+    return netcost.seconds(netcost.ALLREDUCE, int(dense), hosts * local, links.inter if hosts > 1 else links.intra)
 
 
 def hierarchical_seconds(dense: float, payload: float, hosts: int, local: int, links: LinkModel) -> float:
     """Reduce-scatter and allgather of ``dense`` bytes inside the host (rings of ``L``), plus ``L`` cross-host
-    ring allgathers of one block's payload (``payload / L``) that share the host's link."""
-    intra = 2 * (local - 1) * (links.intra_alpha + dense / local / links.intra_bandwidth)
-    cross = (hosts - 1) * (links.inter_alpha + payload / links.inter_bandwidth)
-    return intra + cross
+    ring allgathers of one block's payload (``payload / L``) that share the host's link: on that link, one
+    allgather of ``payload`` among the ``H`` hosts."""
+    intra = (netcost.seconds(netcost.REDUCESCATTER, int(dense), local, links.intra)
+             + netcost.seconds(netcost.ALLGATHER, int(dense // max(local, 1)), local, links.intra))
+    return intra + netcost.seconds(netcost.ALLGATHER, int(payload), hosts, links.inter)
 
 
 def hierarchical_wins(dense: float, payload: float, flat_sparse: bool, hosts: int, local: int,
@@ -357,6 +360,23 @@ class Hierarchical:
         self._memory_plans[info.name] = plan
         exchange = HierarchicalExchange(self, p, p.grad if grad is None else grad, info, plan, step)
         return exchange
+
+    def traffic(self, info: TensorInfo) -> Tuple[int, int, netcost.Wire]:
+        """One round of ``info`` as this rank's link sees it: ``(entries, payload bytes, wire)`` of its block's
+        payload (nominal for variable-size rules), allgathered among the ``H`` ranks with its local rank on the
+        other hosts. The reduce-scatter and the allgather inside the host do not cross the host's link
+        (``report()["intra_host_bytes"]`` counts them)."""
+        plan = self.plans[info.name]
+        block = plan.block_info(info.dtype)
+        c = self.senders[plan.axis].compression
+        count, hosts = c.nominal_count(block), self.topology.hosts
+        index = c.nominal_index_dtype(block)
+        value = c.wire_value_dtype(info.dtype)
+        if not c.gathers or index is None:  # values at shared positions, summed
+            payload = count * dtype_bytes(torch.promote_types(value, torch.float32))
+            return count, payload, netcost.allreduce(payload, hosts)
+        payload = block_bytes(count, value, index) + (COUNT_BYTES if c.variable_count else 0)
+        return count, payload, netcost.allgather(payload, hosts)
 
     def release(self, name: str, grad: torch.Tensor) -> None:
         """A dense round of a tensor this exchange carried: add this rank's block memory into its block of

@@ -62,10 +62,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import elastic, state as layout
+from . import elastic, netcost, state as layout
 from .compressors import TensorInfo, is_sparse
 from .memory import ErrorFeedback
-from .quantize import QuantizedWire, check_value_bits, check_value_group
+from .quantize import QuantizedWire, check_value_bits, check_value_group, fibers_per_group
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
 from .stats import Stats
 from .wire import pack, payload_bytes
@@ -216,14 +216,51 @@ class LocalSteps:
     def plan(self) -> None:
         """Each tensor's path, by the compressor's per-step rule at the current world size."""
         world = self.comm.size()
+        self.half_gather: Dict[str, bool] = {}
         for name, info in self.infos.items():
             if self.sparse:
-                sparse, reason = self.compression.choose_path(info, world)
+                sparse, reason = self.compression.choose_path(info, world, payload=self.payload_bytes(info))
+                if not sparse and self.outer.value_bits is not None:
+                    self.half_gather[name] = self._bf16_gathers(info, world)
+                    reason += "; bfloat16 allgather" if self.half_gather[name] else "; fp32 allreduce"
+            elif self.low_bit_dense:
+                sparse = False
+                gather = self._codes_gather(info, world)
+                self.half_gather[name] = gather
+                reason = (f"dense, {self.outer.value_bits}-bit values" if gather else
+                          f"dense, fp32 allreduce ({self.outer.value_bits}-bit codes gathered from {world} ranks "
+                          "would move more)")
             else:
                 sparse = False
                 reason = f"dense, {self.outer.value_bits}-bit values" if self.low_bit_dense else "dense compressor"
             self.sparse_path[name] = sparse
             self.stats.set_path(name, info.numel, sparse, reason)
+
+    def payload_bytes(self, info: TensorInfo) -> Optional[int]:
+        """One rank's bytes per sync for a sparse tensor where the wire differs from the per-step one
+        (``value_bits``: the low-bit block of :mod:`horovod_adtopk.quantize`), else None."""
+        bits, c = self.outer.value_bits, self.compression
+        if bits is None or len(info.shape) < c.min_dims or info.numel < c.min_numel:
+            return None  # dense by the shape rules whatever the payload
+        count = c.nominal_count(info)
+        if count < 1:
+            return None
+        layout = c.layout(info) if hasattr(c, "layout") else None
+        if layout is not None and layout.k >= 1:
+            per = fibers_per_group(layout.count // layout.k, layout.k, self.outer.value_group)
+            return QuantizedWire(bits, layout.count, layout.k * per, layout.fiber_len - 1).block_bytes
+        return QuantizedWire(bits, count, count, max(info.numel - 1, 0)).block_bytes
+
+    @staticmethod
+    def _bf16_gathers(info: TensorInfo, world: int) -> bool:
+        """A dense tensor under ``value_bits``: bfloat16 gathered (the rounding in e_r) only where that moves
+        fewer bytes than an fp32 allreduce of it (``(W-1) 2 n < 2 (W-1)/W 4 n``: up to 3 ranks)."""
+        return netcost.allgather(2 * info.numel, world).received < netcost.allreduce(4 * info.numel, world).received
+
+    def _codes_gather(self, info: TensorInfo, world: int) -> bool:
+        """A dense low-bit tensor: its codes gathered only where that moves fewer bytes than an fp32 allreduce."""
+        block = QuantizedWire.dense(self.outer.value_bits, info.shape, self.outer.value_group).block_bytes
+        return netcost.allgather(block, world).received < netcost.allreduce(4 * info.numel, world).received
 
     def describe(self) -> dict:
         """What every rank must agree on (for the configuration check)."""
@@ -250,8 +287,9 @@ class LocalSteps:
         """Count one inner step; at the H-th, sync. Returns whether this step synced."""
         self.begin()
         self.step += 1
+        world = self.comm.size()
         for name, info in self.infos.items():  # the per-step dense baseline of "bytes sent vs dense"
-            self.stats.record(name, info.numel, 0, 0)
+            self.stats.baseline(name, info.numel, world)
         self.stats.steps += 1
         if self.step < self.sync_every:
             return False
@@ -288,10 +326,10 @@ class LocalSteps:
                 if self.sparse_path[name] and not dense_round:
                     sparse.append((name, self.sparsifier.select(delta, info, self.syncs)))
                     continue
-                if low_bit and self.low_bit_dense and not dense_round:
+                if low_bit and self.low_bit_dense and not dense_round and self.half_gather[name]:
                     codes.append((name, delta))
                     continue
-                if low_bit and self.sparse and not self.sparse_path[name]:
+                if low_bit and self.sparse and not self.sparse_path[name] and self.half_gather[name]:
                     halves.append((name, delta))
                     continue
                 released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
@@ -334,10 +372,8 @@ class LocalSteps:
             for (name, wire, ctx), summed in zip(dense, sums):
                 if ctx is not None:
                     summed = self.dense_compression.decompress(summed, ctx)
-                self.stats.tensors[name].bytes_sent += payload_bytes(wire)
-                self.stats.tensors[name].elements_sent += wire.numel()
-                self.stats.bytes_sent += payload_bytes(wire)
-                self.stats.elements_sent += wire.numel()
+                self.stats.traffic(name, wire.numel(), payload_bytes(wire),
+                                   netcost.allreduce(payload_bytes(wire), world))
                 out[name] = summed.to(self.infos[name].dtype).div_(active).view(self.infos[name].shape)
         if sparse and self.outer.value_bits is not None:
             self._exchange_quantized(sparse, world, out)
@@ -348,10 +384,8 @@ class LocalSteps:
             gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
             for (name, s), payload, blocks in zip(sparse, payloads, gathered):
                 info = self.infos[name]
-                self.stats.tensors[name].bytes_sent += payload_bytes(payload)
-                self.stats.tensors[name].elements_sent += s.values.numel()
-                self.stats.bytes_sent += payload_bytes(payload)
-                self.stats.elements_sent += s.values.numel()
+                self.stats.traffic(name, s.values.numel(), payload_bytes(payload),
+                                   netcost.allgather(payload_bytes(payload), world))
                 avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
                 aggregate_blocks(avg, blocks, [s.codec.count] * world, s.codec, c.wire_value_dtype(info.dtype),
                                  1.0 / world)
@@ -373,9 +407,8 @@ class LocalSteps:
         gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
         for (name, s), wire, payload, blocks in zip(sparse, wires, payloads, gathered):
             info = self.infos[name]
-            for store in (self.stats.tensors[name], self.stats):
-                store.bytes_sent += payload_bytes(payload)
-                store.elements_sent += s.values.numel()
+            self.stats.traffic(name, s.values.numel(), payload_bytes(payload),
+                               netcost.allgather(payload_bytes(payload), world))
             decoded = wire.decode(blocks, world)
             avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
             sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
@@ -400,9 +433,7 @@ class LocalSteps:
         out = {}
         for (name, _), wire, block, got in zip(codes, wires, blocks, gathered):
             info = self.infos[name]
-            for store in (self.stats.tensors[name], self.stats):
-                store.bytes_sent += block.numel()
-                store.elements_sent += info.numel
+            self.stats.traffic(name, info.numel, block.numel(), netcost.allgather(block.numel(), world))
             total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
             for values, _ in wire.decode(got.contiguous().view(-1), world):
                 total += values.to(info.dtype)
@@ -424,9 +455,7 @@ class LocalSteps:
         out = {}
         for (name, _), block, got in zip(halves, blocks, gathered):
             info = self.infos[name]
-            for store in (self.stats.tensors[name], self.stats):
-                store.bytes_sent += block.numel()
-                store.elements_sent += info.numel
+            self.stats.traffic(name, info.numel, block.numel(), netcost.allgather(block.numel(), world))
             parts = got.contiguous().view(torch.bfloat16).view(world, info.numel)
             total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
             for r in range(world):

@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, elastic, hierarchical as hier, overlap as overlap_, paths, state
+from . import config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -179,16 +179,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sparse, gathers_sparse_grad = sparse and not joined, gathers_sparse_grad and not joined
         if gathers_sparse_grad:
             exchange = SparseGradExchange(self._comm, p, name, self.op)
-            self._stats.record(name, p.numel(), exchange.elements, exchange.bytes)
+            # Horovod's sparse allreduce allgathers indices and values (two allgathers)
+            self._stats.record(name, p.numel(), exchange.elements, exchange.bytes,
+                               wire=netcost.allgather(exchange.bytes, self._comm.size()), world=self._comm.size())
             return exchange
         grad = self._intake.take(p)
         if sparse and self._hier is not None and self._hier.owns(name):
+            elements, payload, wire = self._hier.traffic(self._infos[name])
+            self._stats.record(name, p.numel(), elements, payload, wire=wire, world=self._comm.size())
             return self._hier.send(p, grad, self._infos[name], self._round)
         if sparse:
             return self._sender.send(p, grad, self._infos[name], self._round)
         grad = self._intake.dense(name, p, grad, self._sparse_path.get(name, False))
         exchange = DenseExchange(self._comm, p, grad, self._dense_compression, name, self.op, self._scales())
-        self._stats.record(name, p.numel(), p.numel(), exchange.bytes)
+        world = self._comm.size()
+        self._stats.record(name, p.numel(), p.numel(), exchange.bytes, wire=netcost.allreduce(exchange.bytes, world),
+                           world=world)
         return exchange
 
     def _submit_group(self, group: tuple) -> None:
@@ -197,8 +203,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grads = [self._intake.dense(n, p, self._intake.take(p), self._sparse_path.get(n, False))
                  for n, p in zip(names, group)]
         exchange = GroupExchange(self._comm, group, grads, self._dense_compression, names[0], self.op, self._scales())
+        world = self._comm.size()
         for n, p, nbytes in zip(names, group, exchange.bytes):
-            self._stats.record(n, p.numel(), p.numel(), nbytes)
+            self._stats.record(n, p.numel(), p.numel(), nbytes, wire=netcost.allreduce(nbytes, world), world=world)
             self._handles.pop(p, None)
         self._handles[group] = exchange
         self._group_ready[group] = 0

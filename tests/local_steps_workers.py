@@ -94,7 +94,8 @@ def train_case(case, rank, model, opt, comm):
     out["residuals"] = {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()}
     out["final"] = _params(model)
     out["delta_sum"] = {n: t.numpy().tolist() for n, t in delta_sum.items()}
-    out["stats"] = {k: v for k, v in opt.stats().items() if k in ("bytes_sent", "bytes_dense", "steps", "round")}
+    out["stats"] = {k: v for k, v in opt.stats().items() if k in ("bytes_sent", "bytes_dense", "steps", "round", "wire_bytes_sent",
+                                                         "wire_bytes_received", "wire_bytes_dense")}
     out["memory_bytes"] = opt.stats()["local_steps"]["memory_bytes"]
     return out
 

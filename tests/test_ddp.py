@@ -144,6 +144,18 @@ def test_ddp_matches_horovod_optimizer(engines):
                 np.testing.assert_allclose(d_res[r][n], h_res[r][n], **tolerance(case), err_msg=f"case {ci} residual {n}")
         if gather:
             assert ddp_sum[0][ci]["elements_sent"] == hvd_sum[0][ci]["elements_sent"]
+        # wire bytes: both engines issue the same collectives of the same payloads (a DDP bucket's variable-size
+        # payloads also carry the padding to the largest rank's, so at least as many there)
+        variable = case.get("compressor") in ("threshold", "dgc", "gaussiank", "redsync", "sidco", "adtopk_t")
+        for r in range(world):
+            for n in case["shapes"]:
+                d, h = ddp_sum[r][ci]["tensors"][n], hvd_sum[r][ci]["tensors"][n]
+                assert d["wire_bytes_dense"] == h["wire_bytes_dense"] > 0, (ci, n)
+                if variable:
+                    assert d["wire_bytes_received"] >= h["wire_bytes_received"], (ci, n, d, h)
+                else:
+                    assert (d["wire_bytes_sent"], d["wire_bytes_received"]) == \
+                        (h["wire_bytes_sent"], h["wire_bytes_received"]), (ci, n, d, h)
 
 
 def feature_cases():

@@ -223,6 +223,12 @@ def check_reference(results, world):
             assert stats["bytes_sent"] == low_bit_bytes(case), case["name"]
         if case["outer"].get("value_bits") and "compressor" not in case:
             assert stats["bytes_sent"] == low_bit_dense_bytes(case), case["name"]
+        # wire bytes: every exchange here is an allgather or an allreduce, and at W ranks an allgather moves
+        # (W-1) payloads, a ring allreduce 2 (W-1)/W of its buffer; at 2 ranks both are the payload itself
+        assert stats["wire_bytes_sent"] == stats["wire_bytes_received"], case["name"]
+        assert stats["wire_bytes_dense"] == round(2 * (world - 1) / world * 4 * (IN * OUT + OUT)) * case["steps"]
+        if world == 2:
+            assert stats["wire_bytes_sent"] == stats["bytes_sent"], case["name"]
         mem = per_rank[0]["memory_bytes"]
         numel = IN * OUT + OUT
         assert mem["outer_params"] == 8 * numel

@@ -28,10 +28,14 @@ def test_minimal_example_trains_and_compresses(tmp_path):
     assert accuracy > 0.6, f"test accuracy {accuracy} (chance: 0.1; about 0.84 measured)\n{out[-4000:]}"
     assert loss < 1.0
 
-    traffic = re.findall(r"sent ([0-9.]+) MB instead of ([0-9.]+) MB dense \((\d+)x less\), density ([0-9.]+)", out)
+    traffic = re.findall(r"link carried ([0-9.]+) MB sent / ([0-9.]+) MB received instead of ([0-9.]+) MB for a "
+                         r"dense allreduce at (\d+) ranks \((\d+)x less\), density ([0-9.]+)", out)
     assert len(traffic) == 1, out[-4000:]
-    sent, dense, factor, density = float(traffic[0][0]), float(traffic[0][1]), int(traffic[0][2]), float(traffic[0][3])
-    # ADTopk at ratio 0.01: values + int16 indices of 1% of the entries, the biases dense
+    sent, received, dense = map(float, traffic[0][:3])
+    world, factor, density = int(traffic[0][3]), int(traffic[0][4]), float(traffic[0][5])
+    # ADTopk at ratio 0.01 at 2 ranks: each rank receives the other's values + int16 indices of 1% of the
+    # entries (the biases allreduced), against a ring allreduce's 2 (W-1)/W = 1 x the fp32 gradient each way
+    assert world == 2 and sent == received, traffic
     assert 0 < sent < dense / 20 and factor >= 20, traffic
     assert 0.005 < density < 0.05, traffic
 

@@ -158,12 +158,13 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
         kw = case["kwargs"]
         elem = np.dtype(NP_DTYPES[case["dtype"]]).itemsize
         vbytes = 2 if kw.get("value_dtype") == "float16" else elem
-        want_bytes = 0
+        want_bytes, want_wire = 0, {}
         for n, shape in case["shapes"].items():
             assert summaries[0][ci]["paths"][n] == ("sparse" if sparse[n] else "dense"), (ci, n)
             numel = int(np.prod(shape))
             if not sparse[n]:
                 want_bytes += numel * elem * case["steps"]
+                want_wire[n] = ring_allreduce_share(numel * elem, world) * case["steps"]
                 continue
             rows, cols = shape[0], numel // shape[0]
             ax = ref.resolve_axis(rows, cols, kw.get("axis", "auto"), kw["ratio"])
@@ -172,11 +173,22 @@ def test_paths_and_bytes_follow_the_documented_rule(reference_run):
             fib, nfib = (cols, rows) if ax == 1 else (rows, cols)
             k = max(1, math.floor(kw["ratio"] * fib))
             entries = nfib * k  # one block: values and indices, each padded to 8 bytes
-            want_bytes += (pad8(entries * vbytes) + pad8(entries * ref.index_bytes(fib - 1))) * case["steps"]
+            block = pad8(entries * vbytes) + pad8(entries * ref.index_bytes(fib - 1))
+            want_bytes += block * case["steps"]
+            want_wire[n] = (world - 1) * block * case["steps"]  # an allgather: every other rank's block arrives
             density = summaries[0][ci]["tensors"][n]["density"]
             assert density == pytest.approx(nfib * k / numel)
         for r in range(world):
             assert summaries[r][ci]["bytes_sent"] == want_bytes, (ci, r)
+            for n, shape in case["shapes"].items():  # wire bytes: what the ring algorithms move per rank
+                t = summaries[r][ci]["tensors"][n]
+                assert t["wire_bytes_sent"] == t["wire_bytes_received"] == want_wire[n], (ci, r, n, t)
+                assert t["wire_bytes_dense"] == ring_allreduce_share(4 * int(np.prod(shape)), world) * case["steps"]
+
+
+def ring_allreduce_share(nbytes: int, world: int) -> int:
+    """What one rank sends (and receives) in a ring allreduce: 2 (W-1) of the W chunks of the buffer."""
+    return int(round(2 * (world - 1) * nbytes / world))
 
 
 def test_error_feedback_invariant(reference_run):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import horovod_adtopk as hat
+from horovod_adtopk import netcost
 
 from .common import LOG
 from .optim import base_optimizer, make_compression, make_local_steps, sparse_parameter_names
@@ -69,8 +70,12 @@ class _Hooked:
         dense = min(self.steps, self.dense_steps)
         sent = dense * 4 * self.numel + (self.steps - dense) * self.step_bytes
         elements = self.steps * self.numel
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        wire = netcost.allreduce(sent, world).received  # PyTorch's hooks allreduce (P and Q, or the dense bucket)
         return {"bytes_sent": sent, "bytes_dense": 4 * elements, "elements_sent": sent // 4,
-                "elements_total": elements, "density": sent / (4 * elements) if elements else 0.0, "tensors": {}}
+                "elements_total": elements, "density": sent / (4 * elements) if elements else 0.0,
+                "wire_bytes_sent": wire, "wire_bytes_received": wire,
+                "wire_bytes_dense": netcost.dense_baseline(elements, world).received, "tensors": {}}
 
 
 class HookedSGD(_Hooked, torch.optim.SGD):

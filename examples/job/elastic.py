@@ -251,7 +251,7 @@ class ElasticTrainer:
             s.step, s.epoch, s.batch, s.nominal_world = (int(ckpt["step"]), int(ckpt["epoch"]), int(el["batch"]),
                                                          int(el["nominal_world"]))
             self.sampler.load_state_dict(el["sampler"])
-            self.progress.counters = {k: float(ckpt["counters"][k]) for k in COUNTER_KEYS}
+            self.progress.counters = {k: float(ckpt["counters"].get(k, 0.0)) for k in COUNTER_KEYS}
             self.progress.wall_offset = float(ckpt["wall_time"])
             job.last_ckpt_step = s.step
             LOG.info(f"resumed from {path} at step {s.step} (epoch {s.epoch + 1}, "

@@ -141,7 +141,10 @@ class ProgressReport:
         eta = (job.total_steps - progress.step) * (now - self.start) / done if done else 0.0
         stats = job.opt.stats()
         traffic = ""
-        if stats["bytes_dense"]:
+        if stats.get("wire_bytes_dense"):
+            traffic = (f" | wire sent {mb(stats['wire_bytes_sent'])}, received {mb(stats['wire_bytes_received'])} "
+                       f"vs dense {mb(stats['wire_bytes_dense'])}, density {stats['density']:.4f} (rank 0)")
+        elif stats["bytes_dense"]:
             traffic = (f" | sent {mb(stats['bytes_sent'])} vs dense {mb(stats['bytes_dense'])}, "
                        f"density {stats['density']:.4f} (rank 0)")
         LOG.info(f"step {progress.step}/{job.total_steps} epoch {progress.epoch + 1}/{job.args.epochs} "

@@ -204,10 +204,11 @@ def report(job: Job, progress: Progress) -> dict:
         path = Path(job.args.summary_json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text + "\n")
-    if res["bytes_dense"]:
-        factor = res["bytes_dense"] / res["bytes_sent"] if res["bytes_sent"] else float("inf")
-        traffic = (f"bytes sent {mb(res['bytes_sent'])} vs dense {mb(res['bytes_dense'])} "
-                   f"({factor:.1f}x less), density {res['density']:.4f}")
+    if res["wire_bytes_dense"]:
+        traffic = wire_summary(res, job.world)
+    elif res["bytes_dense"] and job.world > 1:
+        traffic = (f"payload bytes sent {mb(res['bytes_sent'])} vs dense {mb(res['bytes_dense'])}, "
+                   f"density {res['density']:.4f}")
     else:
         traffic = "no gradient communication (one process)"
     label = job.spec.describe(res)
@@ -268,3 +269,15 @@ def train(job: Job, progress: Progress) -> dict:
                                      or (synced and progress.step >= schedule_end(job))):
         save_checkpoint(job, progress)
     return report(job, progress)
+
+
+def wire_summary(res: dict, world: int) -> str:
+    """The summary's traffic: what each rank's link carried (mean over ranks; ``res`` sums them) against a
+    dense fp32 ring allreduce at the same world size, then the payload figures."""
+    sent, received = res["wire_bytes_sent"] / world, res["wire_bytes_received"] / world
+    dense = res["wire_bytes_dense"] / world
+    busier = max(sent, received)
+    factor = dense / busier if busier else float("inf")
+    return (f"wire per rank {mb(sent)} sent, {mb(received)} received vs dense allreduce {mb(dense)} at "
+            f"W={world} ({factor:.1f}x less); payload bytes sent {mb(res['bytes_sent'])} vs dense "
+            f"{mb(res['bytes_dense'])}, density {res['density']:.4f}")

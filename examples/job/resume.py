@@ -182,7 +182,7 @@ def _restore(job: Job, ckpt: dict, progress: Progress, world_changed: bool = Fal
     job.scheduler.load_state_dict(ckpt["lr_scheduler"])
     for group, lr in zip(job.opt.param_groups, job.scheduler.get_last_lr()):
         group["lr"] = lr
-    progress.counters = {k: float(ckpt["counters"][k]) for k in COUNTER_KEYS}
+    progress.counters = {k: float(ckpt["counters"].get(k, 0.0)) for k in COUNTER_KEYS}
     progress.wall_offset = float(ckpt["wall_time"])
     job.last_ckpt_step = int(ckpt["step"])
     if world_changed:

@@ -13,7 +13,8 @@ from torch.utils.data.distributed import DistributedSampler
 from .data import DatasetSpec
 
 # The optimizer's cumulative counters the job sums over ranks and carries across resumes.
-COUNTER_KEYS = ("bytes_sent", "bytes_dense", "elements_sent", "elements_total")
+COUNTER_KEYS = ("bytes_sent", "bytes_dense", "elements_sent", "elements_total", "wire_bytes_sent",
+                "wire_bytes_received", "wire_bytes_dense")
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Job:
 def counter_totals(job: Job, progress: Progress) -> Dict[str, float]:
     """Collective: the optimizer's counters summed over ranks, plus those carried over by resumes."""
     s = job.opt.stats()
-    local = torch.tensor([float(s[k]) for k in COUNTER_KEYS], dtype=torch.float64)
+    local = torch.tensor([float(s.get(k, 0)) for k in COUNTER_KEYS], dtype=torch.float64)
     summed = job.engine.sum(local, name="train.counters").tolist()
     out = {k: progress.counters.get(k, 0.0) + v for k, v in zip(COUNTER_KEYS, summed)}
     out["density"] = out["elements_sent"] / out["elements_total"] if out["elements_total"] else 0.0

@@ -33,10 +33,10 @@ except ImportError:  # pragma: no cover - exercised where Horovod is absent
 
     NoneCompressor = FP16Compressor = None  # type: ignore[assignment]
 
-from .. import kernels
+from .. import kernels, netcost
 from .. import selection as sel
 from ..memory import check_momentum
-from ..wire import WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
+from ..wire import COUNT_BYTES, WIRE_VALUE_DTYPES, dtype_bytes, entry_bytes, index_dtype_for
 
 DEFAULT_MIN_NUMEL = 1024
 
@@ -255,22 +255,31 @@ class SparseCompressor(Compressor):
         entry = entry_bytes(self.wire_value_dtype(info.dtype), self.nominal_index_dtype(info))
         return self.nominal_count(info) * entry, info.numel * dtype_bytes(info.dtype)
 
-    def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
+    def choose_path(self, info: TensorInfo, world_size: int, payload: Optional[int] = None,
+                    link: Optional["netcost.Link"] = None) -> Tuple[bool, str]:
         """Decide once per tensor: ``(sparse?, reason)``.
 
-        Cost model (bandwidth term of the alpha-beta model; one collective either way, so latency cancels):
-        a ring allreduce moves ``2 (W-1)/W * D`` bytes per rank, an allgather ``(W-1) * P``, where ``D`` is
-        the dense tensor's bytes and ``P`` one rank's payload. Sparse wins iff ``P < D`` and ``W * P < 2 D``.
+        Dense for tensors under ``min_dims`` dimensions or ``min_numel`` entries, and when a rank's payload
+        (``payload`` bytes where the caller's wire differs, e.g. low-bit codes; else :meth:`nominal_bytes`)
+        is at least the dense tensor's bytes. With ``hybrid``, the cost model of :mod:`horovod_adtopk.netcost`
+        then compares an allgather of the payload from ``world_size`` ranks (``(W-1) P`` per rank, plus the
+        count of variable-size rules) with a ring allreduce of the dense tensor (``2 (W-1)/W D``) on ``link``
+        (default :meth:`netcost.Link.from_env`): sparse iff the allgather is faster. With the default link (no
+        latency: collectives are fused) this is ``W P < 2 D``.
         """
         if len(info.shape) < self.min_dims:
             return False, f"{len(info.shape)}-D tensor"
         if info.numel < self.min_numel:
             return False, f"numel {info.numel} < min_numel {self.min_numel}"
-        payload, dense = self.nominal_bytes(info)
+        nominal, dense = self.nominal_bytes(info)
+        payload = nominal if payload is None else int(payload)
         if payload >= dense:
             return False, f"sparse payload {payload} B >= dense {dense} B"
-        if self.hybrid and self.gathers and world_size * payload >= 2 * dense:
-            return False, f"allgather of {world_size} x {payload} B >= ring allreduce of {dense} B"
+        if self.hybrid and self.gathers:
+            count = COUNT_BYTES if self.variable_count else 0
+            gather, why = netcost.choose_gather(payload, dense, world_size, link, count)
+            if not gather:
+                return False, why
         return True, "sparse"
 
     def select(self, a: torch.Tensor, info: TensorInfo, step: int, grad: Optional[torch.Tensor] = None,

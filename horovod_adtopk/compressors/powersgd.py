@@ -27,6 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from .. import netcost
 from .base import SparseCompressor, TensorInfo, _check_bool, _check_int, register, stable_seed
 
 _EPS = 1e-8
@@ -105,7 +106,9 @@ class PowerSGDCompressor(SparseCompressor):
     def nominal_index_dtype(self, info: TensorInfo):
         return None
 
-    def choose_path(self, info: TensorInfo, world_size: int) -> Tuple[bool, str]:
+    def choose_path(self, info: TensorInfo, world_size: int, payload=None, link=None) -> Tuple[bool, str]:
+        """Low rank for matrices compressed at least ``min_compression_rate`` (its factors are allreduced,
+        so the world size does not enter: ``payload`` and ``link`` are accepted for the common signature)."""
         if len(info.shape) < 2:
             return False, f"{len(info.shape)}-D tensor"
         if info.numel < self.min_numel:
@@ -137,8 +140,11 @@ class PowerSGDCompressor(SparseCompressor):
         q = self._initial_q(info, step, matrix.device, matrix.dtype) if q is None else q.to(matrix.device)
         p_local = matrix @ q
         handle = sender.comm.allreduce_async_(p_local, f"hat.psgd.p.{info.name}", sender.sum_op, 1.0, 1.0)
-        sender.stats.record(info.name, info.numel, (n + m) * q.shape[1],
-                            (n + m) * q.shape[1] * p_local.element_size())
+        world, size = sender.comm.size(), p_local.element_size()
+        # two allreduces: P (n x rank) now, Q (m x rank) in advance()
+        sender.stats.record(info.name, info.numel, (n + m) * q.shape[1], (n + m) * q.shape[1] * size,
+                            wire=netcost.allreduce(n * q.shape[1] * size, world)
+                            + netcost.allreduce(m * q.shape[1] * size, world), world=world)
         sender.timed(info.name, 0, time.perf_counter() - start)
         return LowRankExchange(self, sender, p, info, matrix, handle, keep_error)
 

@@ -26,6 +26,7 @@ from typing import List, Tuple
 
 import torch
 
+from .. import netcost
 from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import aggregate_blocks, dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, pack, payload_bytes
@@ -123,7 +124,9 @@ class BucketExchange:
         compression = self.state.dense_compression
         self.dense_wire, self.dense_ctx = compression.compress(flat) if compression is not None else (flat, None)
         for v, name in self.dense:
-            self.state.stats_.record(name, v.numel(), v.numel(), v.numel() * self.dense_wire.element_size())
+            nbytes = v.numel() * self.dense_wire.element_size()
+            self.state.stats_.record(name, v.numel(), v.numel(), nbytes, wire=netcost.allreduce(nbytes, self.world),
+                                     world=self.world)
         self.futures.append(self.comm.allreduce_async(self.dense_wire))
 
     def _launch_shared(self) -> None:
@@ -133,7 +136,8 @@ class BucketExchange:
         values = [s.wire_values.to(torch.promote_types(s.wire_values.dtype, torch.float32)) for _, _, s in self.shared]
         self.shared_wire = torch.cat(values)
         for (_, info, _), v in zip(self.shared, values):
-            self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v))
+            self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v),
+                                     wire=netcost.allreduce(payload_bytes(v), self.world), world=self.world)
         self.futures.append(self.comm.allreduce_async(self.shared_wire))
 
     def _launch_sparse(self) -> None:
@@ -153,9 +157,12 @@ class BucketExchange:
         else:
             self.counts = [[s.codec.count for _, _, s in self.sparse]] * self.world
             self.row_bytes = local.numel()
-        for (view, info, s), block in zip(self.sparse, blocks):
+        # the padding to the largest rank's buffer travels too: counted on the bucket's first sparse tensor
+        padding = self.row_bytes - sum(payload_bytes(b) for b in blocks)
+        for i, ((view, info, s), block) in enumerate(zip(self.sparse, blocks)):
             sent = payload_bytes(block) + (COUNT_BYTES if self.variable else 0)
-            self.state.stats_.record(info.name, info.numel, s.values.numel(), sent)
+            wire = netcost.allgather(sent + (padding if i == 0 else 0), self.world)
+            self.state.stats_.record(info.name, info.numel, s.values.numel(), sent, wire=wire, world=self.world)
         self.gathered = torch.empty(self.world * self.row_bytes, dtype=torch.uint8, device=local.device)
         self.futures.append(self.comm.gather_async(self.gathered, local))
 
