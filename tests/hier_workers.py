@@ -44,6 +44,8 @@ def hier_cases(args, outdir):
         np.savez(Path(outdir, f"case{ci}_rank{rank}.npz"), **arrays)
         st = opt.stats()
         summary.append({"paths": {n.split(".", 1)[1]: v["path"] for n, v in st["tensors"].items()},
+                        "wire": {n.split(".", 1)[1]: [v["wire_bytes_sent"], v["wire_bytes_received"]]
+                                 for n, v in st["tensors"].items()},
                         "hierarchical": {k: v for k, v in st["hierarchical"].items() if k != "blocks"}})
     _done()
     return {"layout": _layout(), "cases": summary}

@@ -280,7 +280,10 @@ def test_inter_host_payload_is_one_block(cases_run):
                 fibers, fiber_len = (rows, cols) if axis == 1 else (cols, rows)
                 lo, hi = split(fibers, LOCAL)[r % LOCAL]
                 entries = (hi - lo) * max(1, math.floor(ratio * fiber_len))
-                want += (pad8(entries * 4) + pad8(entries * ref.index_bytes(fiber_len - 1))) * case["steps"]
+                block = (pad8(entries * 4) + pad8(entries * ref.index_bytes(fiber_len - 1))) * case["steps"]
+                want += block
+                # what crosses the host's link: the block's allgather among the HOSTS ranks of this local rank
+                assert res["cases"][ci]["wire"][n] == [(HOSTS - 1) * block] * 2, (ci, r, n)
             assert res["cases"][ci]["hierarchical"]["inter_host_payload_bytes"] == want, (ci, r, axis_arg)
 
 
