@@ -2,7 +2,8 @@
 
 Each rank feeds known gradients (seeded by case, rank, step and name) into hat.DistributedOptimizer and
 records what synchronize() hands back; the test recomputes every rank's error feedback and selection in
-numpy and compares. Gloo with 2 ranks, MPI with 3 ranks.
+numpy and compares. Gloo with 2 ranks, MPI with 3 ranks, and Gloo with 8 ranks on a subset of the cases
+(:func:`cases_at_8`) with the hybrid rule on, which at 8 ranks sends some tensors dense that 2 ranks send sparse.
 """
 import math
 from pathlib import Path
@@ -63,6 +64,35 @@ def make_cases():
     return cases
 
 
+def cases_at_8():
+    """The 8-rank run: the main rule in both dtypes, a float16 wire, Top-k, thresholds and dense, plus the
+    hybrid rule at ratios where its answer at 8 ranks differs from 2 ranks' for some tensors."""
+    all_cases = make_cases()
+    keep = [c for c in all_cases if c.get("kwargs", {}).get("axis") == "auto" and c["kwargs"].get("ratio") in (0.05, 0.3)]
+    keep += [c for c in all_cases if c.get("kwargs", {}).get("value_dtype") == "float16"
+             or c.get("compressor") in ("topk", "threshold") or (c.get("compressor") == "none" and "groups" not in c)]
+    for ratio in (0.2, 0.3):
+        keep.append({"shapes": SHAPES, "dtype": "float64", "steps": 2, "kwargs": {"ratio": ratio, "min_numel": 0}})
+    for c in keep:
+        if "rank_scale" in c:
+            c["rank_scale"] = (c["rank_scale"] * 3)[:8]
+    return keep
+
+
+def hybrid_keeps(payload: int, dense: int, world: int) -> bool:
+    """The hybrid rule as documented: an allgather of ``(W-1)`` payloads against a ring allreduce moving
+    ``2 (W-1)/W`` of the dense tensor each way (the default link: no latency term)."""
+    return (world - 1) * payload < 2 * (world - 1) * dense / world
+
+
+def adtopk_payload(shape, ratio, axis, value_bytes: int) -> int:
+    """One rank's nominal ADTopk payload: k per fiber, value + fiber-local index bytes each (no padding)."""
+    rows, cols = shape[0], int(np.prod(shape[1:]))
+    ax = ref.resolve_axis(rows, cols, axis, ratio)
+    fib_len, nfib = (cols, rows) if ax == 1 else (rows, cols)
+    return nfib * max(1, int(math.floor(ratio * fib_len))) * (value_bytes + ref.index_bytes(fib_len - 1))
+
+
 def joined_view(shape, min_fiber_len, ratio, join="rows"):
     """``(matrix view, axis)`` of ADTopk with ``min_fiber_len``: joined rows (axis 1) or columns (axis 0) where
     they are short, else the plain view and the axis "auto" picks; a 1-D shape as it is."""
@@ -85,12 +115,12 @@ def load_case(outdir, ci, world, case):
     return grads, outs, res
 
 
-@pytest.fixture(scope="module", params=[("gloo", 2), ("mpi", 3)], ids=["gloo-2", "mpi-3"])
+@pytest.fixture(scope="module", params=[("gloo", 2), ("mpi", 3), ("gloo", 8)], ids=["gloo-2", "mpi-3", "gloo-8"])
 def reference_run(request):
     controller, world = request.param
-    cases = make_cases()
+    cases = make_cases() if world < 8 else cases_at_8()
     rc, log, outdir, _ = launch("reference_cases", np=world, controller=controller, args={"cases": cases},
-                                timeout=240)
+                                timeout=240 if world < 8 else 420)
     if rc != 0:
         raise RanksFailed(f"reference_cases exited {rc}\n{log[-20000:]}")
     import json
@@ -117,6 +147,8 @@ def expected_for(case, grads, world):
         select = lambda a, n: mask(a, ratio, kw["min_fiber_len"])  # noqa: E731
     elif kind == "adtopk":
         sparse = {n: ref.adtopk_is_sparse(tuple(s), ratio, axis, elem, vbytes, kw.get("min_numel", 1024))
+                  and (not kw.get("hybrid", True)
+                       or hybrid_keeps(adtopk_payload(s, ratio, axis, vbytes), int(np.prod(s)) * elem, world))
                   for n, s in case["shapes"].items()}
         select = lambda a, n: ref.adtopk_mask(a, ratio, axis)  # noqa: E731
     else:
@@ -148,6 +180,17 @@ def test_matches_numpy_reference(reference_run):
 
 def test_paths_and_bytes_follow_the_documented_rule(reference_run):
     world, cases, outdir, summaries = reference_run
+    if world == 8:  # the hybrid cases exercise both answers: sparse at 2 ranks, dense at 8 for some tensor
+        flipped = [n for c in cases if c.get("compressor", "adtopk") == "adtopk" and c["kwargs"].get("hybrid", True)
+                   for n, s in c["shapes"].items()
+                   if ref.adtopk_is_sparse(tuple(s), c["kwargs"]["ratio"], "auto", 8, 8, 0)
+                   and not hybrid_keeps(adtopk_payload(s, c["kwargs"]["ratio"], "auto", 8), 8 * int(np.prod(s)), 8)
+                   and hybrid_keeps(adtopk_payload(s, c["kwargs"]["ratio"], "auto", 8), 8 * int(np.prod(s)), 2)]
+        kept = [n for c in cases if c.get("compressor", "adtopk") == "adtopk" and c["kwargs"].get("hybrid", True)
+                for n, s in c["shapes"].items()
+                if ref.adtopk_is_sparse(tuple(s), c["kwargs"]["ratio"], "auto", 8, 8, 0)
+                and hybrid_keeps(adtopk_payload(s, c["kwargs"]["ratio"], "auto", 8), 8 * int(np.prod(s)), 8)]
+        assert flipped and kept, (flipped, kept)
     for ci, case in enumerate(cases):
         if case.get("compressor") == "none":
             assert all(p == "dense" for p in summaries[0][ci]["paths"].values())
