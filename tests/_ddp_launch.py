@@ -56,14 +56,11 @@ def rank_main(rank: int, worker: str, args_path: str, outdir: str) -> int:
         sys.stderr.flush()
         os._exit(1)  # a failed collective may leave the process group unable to shut down cleanly
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The result is written and the group destroyed; skip the interpreter's teardown, where torch's Gloo
-    # threads were seen to abort ("terminate called without an active exception") about once in ten runs
-    # on a heavily loaded machine (load average 20 on 2 cores) - an exit-time problem of the test process
-    # that says nothing about the result. Open: find its cause (train.py --engine ddp may show it too).
-    os._exit(0)
+    # the orderly end a user's script has (barrier, destroy, Gloo's threads finish): the process then exits
+    # through the interpreter's own teardown, which must not abort (issue 56)
+    import horovod_adtopk.ddp
+    horovod_adtopk.ddp.shutdown()
+    return 0
 
 
 if __name__ == "__main__":

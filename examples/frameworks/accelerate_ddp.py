@@ -55,4 +55,5 @@ accelerator.print(f"{stats['round']} rounds, {stats['bytes_sent']} bytes sent of
                   f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
 if args.report:
     report(args.report, accelerator.unwrap_model(model), state)
-accelerator.end_training()  # destroys the process group (left to interpreter exit, Gloo may abort there)
+accelerator.end_training()  # destroys the process group
+hat.ddp.wait_for_gloo_workers()  # Gloo's threads finish before the interpreter does (else a rank may abort)

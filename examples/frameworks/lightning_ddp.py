@@ -12,7 +12,6 @@ import argparse
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -64,4 +63,4 @@ if __name__ == "__main__":
               f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
     if args.report:
         report(args.report, model, compression.state)
-    dist.destroy_process_group()  # Lightning leaves it to interpreter exit, where Gloo may abort
+    hat.ddp.shutdown()  # Lightning leaves the group to interpreter exit: destroy it, let Gloo's threads finish

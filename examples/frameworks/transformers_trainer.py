@@ -9,7 +9,6 @@ wraps and saves every rank's residuals into each ``checkpoint-<step>`` folder (a
 import argparse
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 import horovod_adtopk as hat
@@ -61,4 +60,4 @@ if trainer.is_world_process_zero():
           f"({stats['bytes_sent'] / stats['bytes_dense']:.1%})")
 if args.report:
     report(args.report, model, compression.state)
-dist.destroy_process_group()  # the Trainer leaves it to interpreter exit, where Gloo may abort
+hat.ddp.shutdown()  # the Trainer leaves the group to interpreter exit: destroy it, let Gloo's threads finish

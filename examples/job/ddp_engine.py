@@ -224,22 +224,14 @@ def _note_failures() -> None:
 
 
 def _shutdown() -> None:
-    """Wait for every rank (at most 30 s), then destroy the group: a rank that tears its Gloo threads down
-    while a peer still talks to it was seen to abort at exit ("terminate called without an active
-    exception") after a successful run. After an uncaught exception (a peer lost) no barrier: the survivors
-    exit at once, and under torchrun their agent restarts them sooner."""
-    if dist.is_initialized():
-        if _FAILED:
-            dist.destroy_process_group()
-            return
-        try:
-            if dist.get_backend() == "gloo":
-                dist.monitored_barrier(timeout=timedelta(seconds=30))
-            else:
-                dist.barrier()
-        except Exception:  # a peer is gone (the job failed): destroy anyway
-            pass
+    """Wait for every rank (at most 30 s), destroy the group, then let Gloo's worker threads finish: one still
+    dropping the last collective when the interpreter finalizes aborts a rank that finished ("terminate called
+    without an active exception", see horovod_adtopk/ddp/teardown.py). After an uncaught exception (a peer
+    lost) no barrier: the survivors exit at once, and under torchrun their agent restarts them sooner."""
+    if dist.is_initialized() and _FAILED:
         dist.destroy_process_group()
+        return
+    hat.ddp.shutdown(timeout=30)
 
 
 def model_device(model: torch.nn.Module) -> int:

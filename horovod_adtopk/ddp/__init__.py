@@ -20,6 +20,10 @@ Works with Gloo and NCCL, CPU and CUDA tensors, ``no_sync()`` (a round is a comm
 PowerSGD (use PyTorch's ``powerSGD_hook``), sparse gradients (``nn.Embedding(sparse=True)``).
 
 Local steps with a sparse outer exchange (DiLoCo / SparseLoCo style): :func:`local_steps` (:mod:`.local`).
+
+The end of a script: :func:`shutdown` (barrier, destroy the group, let Gloo's worker threads finish: a rank
+that exits while one still drops a collective aborts, see :mod:`.teardown`); importing this package also
+registers :func:`wait_for_gloo_workers` to run at exit.
 """
 import torch
 import torch.distributed as dist
@@ -28,8 +32,15 @@ from .communicator import PeerLostError, ProcessGroupComm
 from .state import CompressionState
 
 from .local import local_steps
+from .teardown import shutdown, wait_at_exit, wait_for_gloo_workers
 
-__all__ = ["CompressionState", "PeerLostError", "ProcessGroupComm", "hook", "local_steps", "register"]
+__all__ = ["CompressionState", "PeerLostError", "ProcessGroupComm", "hook", "local_steps", "register", "shutdown",
+           "wait_for_gloo_workers"]
+
+# At exit, Gloo's worker threads finish before the interpreter finalizes (else a rank may abort after a complete
+# run). Registered at import: atexit runs handlers last-registered first, so this one runs after the teardown
+# handlers a script or framework registers later (which may run collectives).
+wait_at_exit()
 
 
 def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
