@@ -16,7 +16,7 @@ column would be zero by construction in this mode, so there is none.
 Per layout (hosts x ranks per host) and link, one horovodrun job runs every mode side by side: ``dense``
 (Horovod allreduce, fp32), ``fp16`` (Horovod's fp16 compression), ``flat`` (ADTopk 0.01, flat allgather),
 ``hierarchical`` (ADTopk 0.01, ``hierarchical=True``), ``powersgd`` (our PowerSGD, rank 4). Inter-host
-bytes are read from each host's veth (``/sys/class/net/eth1/statistics/tx_bytes`` inside the host, so
+bytes are read from each host's veth (``eth1``'s tx bytes through netlink, ``ip -s -j link``, inside the host, so
 Ethernet/IP/TCP headers and Gloo's own messages are included) around each mode's timed steps, besides
 the package's own payload accounting. The 2x2 job also probes the links (allgathers of 8 KiB to 8 MiB
 inside a host and between hosts) and fits alpha-beta per level, which the cost model
@@ -53,8 +53,16 @@ PROJECTION = {"hosts": 8, "local": 8, "inter_alpha": 10e-6, "inter_beta": 12.5e9
 # --- rank side ---------------------------------------------------------------------------------------------------
 
 def _veth_tx() -> Optional[int]:
-    path = Path("/sys/class/net/eth1/statistics/tx_bytes")
-    return int(path.read_text()) if path.exists() else None
+    """This host's ``eth1`` tx bytes through netlink (``ip -s -j link``): ``/sys/class/net`` shows the counters
+    of the namespace that mounted sysfs, not this host's."""
+    import json
+    import subprocess
+    try:
+        out = subprocess.run(["ip", "-s", "-j", "link", "show", "dev", "eth1"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError):
+        return None
 
 
 def _compression(mode: str):
