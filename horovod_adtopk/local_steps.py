@@ -63,9 +63,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import elastic, netcost, state as layout
-from .compressors import TensorInfo, is_sparse
+from .compressors import FlatCodec, TensorInfo, is_sparse
 from .memory import ErrorFeedback
-from .quantize import QuantizedWire, check_value_bits, check_value_group, fibers_per_group
+from .quantize import QuantizedWire, check_value_bits, check_value_group
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
 from .stats import Stats
 from .wire import pack, payload_bytes
@@ -221,18 +221,18 @@ class LocalSteps:
             if self.sparse:
                 sparse, reason = self.compression.choose_path(info, world, payload=self.payload_bytes(info))
                 if not sparse and self.outer.value_bits is not None:
-                    self.half_gather[name] = self._bf16_gathers(info, world)
-                    reason += "; bfloat16 allgather" if self.half_gather[name] else "; fp32 allreduce"
+                    self.half_gather[name] = self._gathers(2 * info.numel, info, world)
+                    reason += "; bfloat16 allgather" if self.half_gather[name] else "; exact allreduce"
             elif self.low_bit_dense:
                 sparse = False
-                gather = self._codes_gather(info, world)
+                block = QuantizedWire.dense(self.outer.value_bits, info.shape, self.outer.value_group).block_bytes
+                gather = self._gathers(block, info, world)
                 self.half_gather[name] = gather
                 reason = (f"dense, {self.outer.value_bits}-bit values" if gather else
-                          f"dense, fp32 allreduce ({self.outer.value_bits}-bit codes gathered from {world} ranks "
+                          f"dense, exact allreduce ({self.outer.value_bits}-bit codes gathered from {world} ranks "
                           "would move more)")
             else:
-                sparse = False
-                reason = f"dense, {self.outer.value_bits}-bit values" if self.low_bit_dense else "dense compressor"
+                sparse, reason = False, "dense compressor"
             self.sparse_path[name] = sparse
             self.stats.set_path(name, info.numel, sparse, reason)
 
@@ -245,21 +245,13 @@ class LocalSteps:
         count = c.nominal_count(info)
         if count < 1:
             return None
-        layout = c.layout(info) if hasattr(c, "layout") else None
-        if layout is not None and layout.k >= 1:
-            per = fibers_per_group(layout.count // layout.k, layout.k, self.outer.value_group)
-            return QuantizedWire(bits, layout.count, layout.k * per, layout.fiber_len - 1).block_bytes
-        return QuantizedWire(bits, count, count, max(info.numel - 1, 0)).block_bytes
+        codec = c.codec(info) if hasattr(c, "codec") else FlatCodec(info.numel, count)
+        return QuantizedWire.for_codec(bits, codec, info.numel, self.outer.value_group).block_bytes
 
     @staticmethod
-    def _bf16_gathers(info: TensorInfo, world: int) -> bool:
-        """A dense tensor under ``value_bits``: bfloat16 gathered (the rounding in e_r) only where that moves
-        fewer bytes than an fp32 allreduce of it (``(W-1) 2 n < 2 (W-1)/W 4 n``: up to 3 ranks)."""
-        return netcost.allgather(2 * info.numel, world).received < netcost.allreduce(4 * info.numel, world).received
-
-    def _codes_gather(self, info: TensorInfo, world: int) -> bool:
-        """A dense low-bit tensor: its codes gathered only where that moves fewer bytes than an fp32 allreduce."""
-        block = QuantizedWire.dense(self.outer.value_bits, info.shape, self.outer.value_group).block_bytes
+    def _gathers(block: int, info: TensorInfo, world: int) -> bool:
+        """Whether gathering a ``block``-byte rendering of a dense tensor (bfloat16, or low-bit codes; its
+        rounding kept in e_r) moves fewer bytes than an fp32 allreduce of it (bfloat16: up to 3 ranks)."""
         return netcost.allgather(block, world).received < netcost.allreduce(4 * info.numel, world).received
 
     def describe(self) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from .netcost import Link, Wire, dense_baseline
+from .netcost import Wire, dense_baseline
 
 
 @dataclass
@@ -55,8 +55,6 @@ class Stats:
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
     nonfinite_steps: int = 0
-    #: the link the dense baseline is computed for (its ``reduction``; the bandwidth does not enter bytes)
-    link: Optional[Link] = None
     tensors: Dict[str, TensorStats] = field(default_factory=dict)
 
     def set_path(self, name: str, numel: int, sparse: bool, reason: str, path: Optional[str] = None,
@@ -78,7 +76,7 @@ class Stats:
         """One step's dense baseline of ``name``: ``4 * numel`` payload bytes, and the wire bytes of a dense
         fp32 ring allreduce at ``world`` ranks."""
         t = self.tensors.setdefault(name, TensorStats(numel=numel))
-        dense = dense_baseline(numel, world, self.link).received
+        dense = dense_baseline(numel, world).received
         t.elements_total += numel
         t.wire_bytes_dense += dense
         self.elements_total += numel
