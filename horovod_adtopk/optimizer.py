@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, state
+from . import advice, config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -582,6 +582,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             groups = num_groups
     _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
                      warmup_steps, sparse_as_dense, partial_sparsification, hierarchical, overlap)
+    # Adam-family optimizer + per-step sparse compression with error feedback: one warning on rank 0 naming the
+    # setting the documentation's decision table gives for this world size (horovod_adtopk.advice)
+    advice.advise(optimizer, compression, world_size=process_set.size(), rank=hvd.rank())
     namespace = dict(_DistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state() initialises a fresh optimizer by stepping the *wrapped* class when the
     # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there. The

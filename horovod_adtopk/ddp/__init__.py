@@ -74,4 +74,10 @@ def register(model: torch.nn.Module, compression=None, process_group=None, warmu
     state = CompressionState(process_group=process_group, compression=compression, warmup_steps=warmup_steps,
                              named_parameters=model.module.named_parameters())
     model.register_comm_hook(state, hook)
+    # Adam-family optimizer + per-step sparse compression with error feedback: one warning on rank 0, at the first
+    # step of the optimizer that holds the model's parameters (this engine never sees the optimizer itself)
+    from .. import advice
+    group = process_group if process_group is not None else dist.group.WORLD
+    advice.advise_at_first_step(model.parameters(), compression, world_size=dist.get_world_size(group),
+                                rank=dist.get_rank())
     return state
