@@ -27,7 +27,6 @@ that sum, one thread, best of 5 rounds of 20 calls each), side by side in one ru
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from examples.datasets import load_shakespeare  # noqa: E402
 from examples.models import build_model  # noqa: E402
 from horovod_adtopk.compressors import Compression, TensorInfo  # noqa: E402
+
+import common  # noqa: E402  (sibling module: write_record)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,10 +136,9 @@ def main(argv=None) -> int:
         print("| selection, ms per step (all matrices) | | " +
               " | ".join(f"{summary[r]['select_ms']:.2f}" for r in rules) + " |")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         settings = {k: v for k, v in vars(args).items() if k != "out"}  # no machine paths in the record
-        Path(args.out).write_text(json.dumps({"args": settings,
-                                              "tensors": per_tensor, "all": summary}, indent=1))
+        # write_record adds the command, the commit, the date and the machine (report.py reads them)
+        common.write_record(args.out, {"args": settings, "tensors": per_tensor, "all": summary})
     return 0
 
 

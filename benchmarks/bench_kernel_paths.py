@@ -190,7 +190,7 @@ def main() -> int:
     text = common.table(head, rows)
     print(text)
     report["table"] = text
-    common.write_json(a.out, report)
+    common.write_record(a.out, report)  # adds the command, the commit and the date (report.py reads them)
     print(f"wrote {a.out}")
     return 0
 

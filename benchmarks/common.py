@@ -122,6 +122,56 @@ def write_json(path: Any, data: Any) -> Path:
     return path
 
 
+def portable_argv(argv: Optional[Sequence[str]] = None) -> List[str]:
+    """``argv`` (default ``sys.argv``) with this machine's paths taken out.
+
+    A path inside the repository becomes relative to its root; the Python running the script becomes
+    ``python``; any other absolute path keeps only its last component (``.../name``).
+    """
+    out: List[str] = []
+    root = str(REPO_ROOT) + os.sep
+    for arg in (sys.argv if argv is None else argv):
+        arg = str(arg)
+        if arg == sys.executable:
+            out.append("python")
+            continue
+        arg = arg.replace(root, "")
+        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value.startswith(os.sep):
+            value = "..." + os.sep + Path(value).name
+        out.append(key + eq + value)
+    return out
+
+
+def git_commit() -> Optional[str]:
+    """``git rev-parse HEAD`` of the repository, with `` (with uncommitted changes)`` when tracked files differ."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=str(REPO_ROOT), capture_output=True, text=True,
+                              timeout=30)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=str(REPO_ROOT), timeout=30).returncode
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+
+
+def write_record(path: Any, payload: Dict[str, Any], command: Optional[Sequence[str]] = None) -> Path:
+    """Write a benchmark record: ``payload`` plus where it came from.
+
+    Adds ``command`` (``command`` or ``sys.argv``, without this machine's paths: :func:`portable_argv`),
+    ``commit`` (:func:`git_commit`), ``date`` (UTC, ISO 8601) and ``machine`` (:func:`machine_info`: CPU model,
+    cores, memory, torch and the other versions). A ``machine`` or ``date`` already in ``payload`` is kept.
+    ``benchmarks/report.py`` reads these three fields; a record without them is reported as lacking provenance.
+    """
+    record = dict(payload)
+    record["command"] = " ".join(portable_argv(command))
+    record["commit"] = git_commit()
+    record.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    record.setdefault("machine", machine_info())
+    return write_json(path, record)
+
+
 # --- launching jobs -------------------------------------------------------------------------------------------
 
 
