@@ -5,7 +5,8 @@ A run with ``--sync-every H`` that stops between syncs leaves every rank with it
 ``gather_state_dict()`` checkpoint (what ``examples/train.py`` writes) holds them all, with the outer
 parameters of the last sync. This scores, in one process on the whole held-out split of the job's dataset:
 each rank's own model, the outer parameters, and the mean of the ranks' parameters (what
-``opt.sync_now(average=True)`` gives with a dense exchange). BENCHMARKS.md 3j::
+``opt.sync_now(average=True)`` gives with a dense exchange); its record is
+``docs/convergence/gpt2000_fp32/last_sync/scores.json`` (docs/results.md, "How to regenerate")::
 
     python benchmarks/score_final_models.py --model gpt ckpt/diloco32_s1/ckpt-step2000.pt [...] --json out.json
 

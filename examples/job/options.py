@@ -327,7 +327,7 @@ UPDATE_FEEDBACK_COMPRESSORS = ("adtopk", "adtopk_i", "topk")
 def _resolve_feedback(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Where error feedback applies with a per-step sparse compressor. AdamW normalises every coordinate by its
     own gradient history, so a residual delivered late as one large entry moves its weight far less than the
-    steps it stands for would have (BENCHMARKS.md 3d); compressing AdamW's *update* with error feedback keeps
+    steps it stands for would have (docs/results.md, GPT with AdamW, 400 steps); compressing AdamW's *update* with error feedback keeps
     the sum of the updates instead. That is local steps with ``sync_every=1`` and ``Outer.sgd(lr=1)``."""
     if args.error_feedback_on is None:
         per_step_sparse = not args.sync_every and args.compressor in UPDATE_FEEDBACK_COMPRESSORS
@@ -438,7 +438,7 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
             p.error("--min-fiber-len must be >= 1")
     elif args.model == "gpt" and args.compressor in FIBER_RULES and not args.sync_every:
         # per-step compression of the transformer: its 128-entry rows keep k = 1 each at 0.01; joined to >= 2,048
-        # entries the 2,000-step test loss went from +10.2% of dense's to +7.4% (BENCHMARKS.md 3k)
+        # entries the 2,000-step test loss went from +10.2% of dense's to +7.4% (docs/results.md#gpt-accuracy)
         args.min_fiber_len = GPT_MIN_FIBER_LEN
     if args.fiber_join is not None and (args.min_fiber_len or 1) <= 1:
         p.error("--fiber-join says how --min-fiber-len joins short fibers: give --min-fiber-len L > 1 too "
@@ -446,7 +446,7 @@ def _resolve_compression(p: argparse.ArgumentParser, args: argparse.Namespace) -
     if (args.fiber_join is None and args.model == "gpt" and args.compressor in FIBER_RULES and not args.sync_every
             and (args.min_fiber_len or 1) > 1):
         # the transformer's default: whole columns joined, so every fiber of the fused qkv spans q, k and v;
-        # at 2,000 steps 1.560 +- 0.001 against joined rows' 1.572 +- 0.008 (BENCHMARKS.md 3l)
+        # at 2,000 steps 1.560 +- 0.001 against joined rows' 1.572 +- 0.008 (docs/results.md#gpt-accuracy)
         args.fiber_join = "columns"
     if args.fiber_join == "rows" or (args.min_fiber_len or 1) <= 1:
         args.fiber_join = None  # rows, the library's default: None, as checkpoints from before the flag say
@@ -500,7 +500,7 @@ def describe_compression(args: argparse.Namespace) -> str:
                 outer += f" (levels shared by at least {args.outer_value_group} entries)"
         text += f"; local steps: sync every {args.sync_every} steps, outer {outer} (rounds below are syncs)"
         if args.outer_momentum and args.optimizer == "sgd" and args.momentum:
-            # BENCHMARKS 3f: on the CNN, H = 10 diverged on one seed of two (both with a sparse pseudo-gradient)
+            # docs/results.md#cnn-accuracy (local steps): on the CNN, H = 10 diverged on one seed of two (both with a sparse pseudo-gradient)
             text += (" [caution: an outer momentum on top of SGD's own momentum compounds; it diverged on the CNN "
                      "at H = 10 where --outer-lr 1 --outer-momentum 0 (local SGD) trained best]")
     parts = []
