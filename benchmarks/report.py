@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -969,6 +970,8 @@ def build() -> Tuple[str, str]:
         summary_table("docs/results.md"), "",
         "Figures from before the records were kept are listed in "
         "[Figures without a record](docs/results.md#no-record); the former lab notebook is in git history.", ""])
+    # an HTML anchor before each heading: the same link targets on the docs site and on a code host's viewer
+    results = re.sub(r"^(#+ .*?) \{#([\w-]+)\}$", r'<a id="\2"></a>\n\1', results, flags=re.MULTILINE)
     return results.rstrip() + "\n", bench
 
 
