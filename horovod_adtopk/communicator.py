@@ -104,6 +104,23 @@ class Communicator:
         handles = [self.allgather_async(t, n) for t, n in zip(tensors, names)]
         return [self.wait(h) for h in handles]
 
+    def alltoall(self, tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                 name: str) -> torch.Tensor:
+        """Blocking all-to-all of a 1-D tensor: ``send_splits[j]`` elements go to member ``j``; returns what every
+        member sent this one, in rank order (``recv_splits[j]`` from member ``j``)."""
+        self.collectives += 1
+        try:
+            out = hvd.alltoall(tensor, splits=torch.tensor(list(send_splits), dtype=torch.int32), name=name,
+                               process_set=self.process_set)
+        except HorovodInternalError as exc:
+            raise PeerLostError(f"horovod_adtopk: a collective failed; a peer rank was probably lost (killed, "
+                                f"crashed or unreachable). Horovod said: {exc}") from exc
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if out.numel() != sum(recv_splits):
+            raise RuntimeError(f"horovod_adtopk: all-to-all {name} received {out.numel()} elements, expected "
+                               f"{sum(recv_splits)}: ranks disagree on the shards")
+        return out
+
     def active_members(self, name: str) -> int:
         """How many members have not called ``hvd.join()`` (joined members add zeros to an allreduce)."""
         return int(self.wait(self.allreduce_async_(torch.ones(1), name, hvd.Sum)).item())

@@ -37,6 +37,14 @@ is (``theta_outer -= Delta``, no momentum step): the mean of the ranks' paramete
 
 Between syncs nothing is communicated. A sync costs, per rank: the sparse payloads (one allgather per
 tensor), the dense tensors (one allreduce each, fused by the engine) and, on Horovod, a 4-byte join query.
+An allgather delivers W - 1 payloads to every rank; ``Outer(exchange="auto")`` (the default) sends a tensor by
+the owner-sharded exchange instead (:mod:`horovod_adtopk.sharded`: one all-to-all of fiber shards for all such
+tensors, each owner averages its shard, re-selects it with its own residual and re-encodes it, then an
+allgather of the owners' blocks; about two payloads per rank whatever W is) wherever the cost model
+(:mod:`horovod_adtopk.netcost`) says it moves fewer bytes: from 3 ranks on, and at large W also where the
+allgather would lose to a dense allreduce. The owners' residuals are rank-private state, saved in
+checkpoints; a gathered checkpoint resumed at another world size re-cuts them among the new owners; an
+elastic membership change or ``reset()`` drops them.
 
 Memory: the outer parameters (one copy of every trainable parameter, in its dtype), the outer momentum
 buffer (another copy, when ``momentum > 0``) and the residuals of the sparse-path tensors (error feedback; of
@@ -62,13 +70,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import elastic, netcost, state as layout
+from . import elastic, netcost, sharded, state as layout
 from .compressors import FlatCodec, TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .quantize import QuantizedWire, check_value_bits, check_value_group
 from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
 from .stats import Stats
-from .wire import pack, payload_bytes
+from .wire import index_dtype_for, pack, payload_bytes
 
 #: key of the local-steps block in ``opt.state_dict()[horovod_adtopk.state.STATE_KEY]``
 STATE_BLOCK = "local_steps"
@@ -82,7 +90,7 @@ class Outer:
     is the mean of the ranks' parameters after their step)."""
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0,
-                 value_bits: Optional[int] = None, value_group: Optional[int] = None) -> None:
+                 value_bits: Optional[int] = None, value_group: Optional[int] = None, exchange: str = "auto") -> None:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
             raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
@@ -99,39 +107,51 @@ class Outer:
         self.feedback_decay = float(feedback_decay)
         self.value_bits = check_value_bits(value_bits)
         self.value_group = check_value_group(value_group, self.value_bits)
+        self.exchange = sharded.check_exchange(exchange)
 
     @classmethod
     def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0,
-                 value_bits: Optional[int] = None, value_group: Optional[int] = None) -> "Outer":
+                 value_bits: Optional[int] = None, value_group: Optional[int] = None, exchange: str = "auto") -> "Outer":
         """DiLoCo's outer optimizer (defaults from the paper)."""
         return cls(lr, momentum, nesterov=True, feedback_decay=feedback_decay, value_bits=value_bits,
-                   value_group=value_group)
+                   value_group=value_group, exchange=exchange)
 
     @classmethod
     def momentum_sgd(cls, lr: float, momentum: float, feedback_decay: float = 1.0,
-                     value_bits: Optional[int] = None, value_group: Optional[int] = None) -> "Outer":
+                     value_bits: Optional[int] = None, value_group: Optional[int] = None,
+                     exchange: str = "auto") -> "Outer":
         """Heavy-ball momentum: ``theta <- theta - lr b``."""
         return cls(lr, momentum, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits,
-                   value_group=value_group)
+                   value_group=value_group, exchange=exchange)
 
     @classmethod
     def sgd(cls, lr: float = 1.0, feedback_decay: float = 1.0, value_bits: Optional[int] = None,
-            value_group: Optional[int] = None) -> "Outer":
+            value_group: Optional[int] = None, exchange: str = "auto") -> "Outer":
         """No momentum: ``theta <- theta - lr Delta`` (SparseLoCo's choice: error feedback replaces momentum;
         ``feedback_decay`` < 1 makes the error-feedback memory forget, as SparseLoCo's does; ``value_bits=2``
         sends its values as 2-bit codes, :mod:`horovod_adtopk.quantize`; ``value_group=64`` lets whole fibers
         share their levels until a set serves at least 64 entries). ``value_bits`` also works on a dense
-        exchange (``Compression.none``): every entry then travels as a code, with error feedback."""
+        exchange (``Compression.none``): every entry then travels as a code, with error feedback.
+
+        ``exchange``: how a sparse or low-bit payload travels. ``"auto"`` (default) picks per tensor, by the cost
+        model at the current world size, the cheapest of an allgather, an allreduce of the dense tensor and the
+        owner-sharded two-stage exchange (:mod:`horovod_adtopk.sharded`: all-to-all of fiber shards, the owner
+        averages, re-selects and re-encodes with its own error feedback, allgather of the owners' blocks; about
+        2 payloads per rank at any world size, where an allgather moves W - 1). ``"allgather"``: never sharded;
+        ``"sharded"``: every tensor that can be sharded is (ADTopk rules; dense low-bit tensors of 2 or more
+        row groups)."""
         return cls(lr, 0.0, nesterov=False, feedback_decay=feedback_decay, value_bits=value_bits,
-                   value_group=value_group)
+                   value_group=value_group, exchange=exchange)
 
     def config(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group}
+                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group,
+                "exchange": self.exchange}
 
     def __repr__(self) -> str:
         return (f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
-                f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits}, value_group={self.value_group})")
+                f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits}, value_group={self.value_group}, "
+                f"exchange={self.exchange!r})")
 
     def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
         """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
@@ -159,6 +179,10 @@ def check_settings(sync_every, outer, compression) -> None:
         raise ValueError(f"value_bits={outer.value_bits} quantizes the values of the outer exchange, and "
                          f"{compression!r} already sets its own; use value_bits with adtopk, topk or Compression.none "
                          "(every entry as a low-bit code), or value_bits=None")
+    if outer.exchange == "sharded" and not (low_bit_dense or (is_sparse(compression) and hasattr(compression, "layout"))):
+        raise ValueError(f"Outer(exchange=\"sharded\") shards the fibers of an ADTopk payload or the rows of a dense "
+                         f"low-bit one, and {compression!r} has neither; use adtopk / adtopk_i, value_bits with "
+                         "Compression.none, or exchange=\"auto\"")
     if is_sparse(compression):
         if hasattr(compression, "make_exchange") or not compression.gathers:
             raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
@@ -210,6 +234,10 @@ class LocalSteps:
         self.momentum: Dict[str, torch.Tensor] = {}
         self.sync_seconds = 0.0
         self.sparse_path: Dict[str, bool] = {}
+        # the owner-sharded exchange (horovod_adtopk.sharded): each tensor's plan, and this rank's owner residuals
+        self.shard_plans: Dict[str, sharded.Plan] = {}
+        self.owner: Dict[str, torch.Tensor] = {}
+        self.owner_world = comm.size()
         self.plan()
 
     # --- set-up -----------------------------------------------------------------------------------------------
@@ -217,9 +245,19 @@ class LocalSteps:
         """Each tensor's path, by the compressor's per-step rule at the current world size."""
         world = self.comm.size()
         self.half_gather: Dict[str, bool] = {}
+        self.shard_plans = {}
+        if world != self.owner_world:  # the shards moved: the owners' residuals are dropped (module docstring)
+            self.owner, self.owner_world = {}, world
         for name, info in self.infos.items():
+            path = None
             if self.sparse:
                 sparse, reason = self.compression.choose_path(info, world, payload=self.payload_bytes(info))
+                plan = self._shard_plan(info, world)
+                if plan is not None:
+                    choice, why = self._pick(plan, info, world, self._gather_bytes(info) if sparse else None)
+                    if choice == "sharded":
+                        sparse, reason, path = True, why, "sharded"
+                        self.shard_plans[name] = plan
                 if not sparse and self.outer.value_bits is not None:
                     self.half_gather[name] = self._gathers(2 * info.numel, info, world)
                     reason += "; bfloat16 allgather" if self.half_gather[name] else "; exact allreduce"
@@ -231,10 +269,46 @@ class LocalSteps:
                 reason = (f"dense, {self.outer.value_bits}-bit values" if gather else
                           f"dense, exact allreduce ({self.outer.value_bits}-bit codes gathered from {world} ranks "
                           "would move more)")
+                plan = self._shard_plan(info, world)
+                if plan is not None:
+                    choice, why = self._pick(plan, info, world, block if gather else None)
+                    if choice == "sharded":
+                        self.shard_plans[name], self.half_gather[name] = plan, True
+                        reason, path = f"dense, {self.outer.value_bits}-bit values, {why}", "sharded"
             else:
                 sparse, reason = False, "dense compressor"
             self.sparse_path[name] = sparse
-            self.stats.set_path(name, info.numel, sparse, reason)
+            self.stats.set_path(name, info.numel, sparse, reason, path=path)
+
+    def _shard_plan(self, info: TensorInfo, world: int, layout=None) -> Optional[sharded.Plan]:
+        """The owner-sharded plan of a tensor (None: it cannot be sharded, or ``exchange="allgather"``)."""
+        if self.outer.exchange == "allgather" or world < 2:
+            return None
+        bits, group = self.outer.value_bits, self.outer.value_group
+        if self.low_bit_dense:
+            return sharded.plan_dense(info.name, info.shape, bits, group, world)
+        c = self.compression
+        if not self.sparse or len(info.shape) < c.min_dims or info.numel < c.min_numel or not hasattr(c, "codec"):
+            return None
+        layout = layout if layout is not None else getattr(c.codec(info), "layout", None)
+        if layout is None:
+            return None
+        return sharded.plan_sparse(info.name, layout, bits, group, world, c.wire_value_dtype(info.dtype),
+                                   index_dtype_for(layout.fiber_len - 1))
+
+    def _gather_bytes(self, info: TensorInfo) -> int:
+        """One rank's sparse payload for an allgather (low-bit block, or values and indices)."""
+        quantized = self.payload_bytes(info)
+        if quantized is not None:
+            return quantized
+        c = self.compression
+        codec = c.codec(info)
+        return sharded.PlainWire(codec.count, c.wire_value_dtype(info.dtype), codec.index_dtype).block_bytes
+
+    def _pick(self, plan: sharded.Plan, info: TensorInfo, world: int, gather: Optional[int]):
+        if self.outer.exchange == "sharded":
+            return "sharded", f"sharded (forced: {sharded.worst(plan.block_sizes(), world).received} B per rank)"
+        return sharded.pick(plan, gather, info.numel * info.dtype.itemsize, world)
 
     def payload_bytes(self, info: TensorInfo) -> Optional[int]:
         """One rank's bytes per sync for a sparse tensor where the wire differs from the per-step one
@@ -268,7 +342,7 @@ class LocalSteps:
         """Bytes held beyond the model: outer parameters, outer momentum, residuals (and DGC velocities)."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         out = {"outer_params": size((self.theta or {}).values()), "outer_momentum": size(self.momentum.values()),
-               "residuals": 0}
+               "residuals": 0, "owner_residuals": size(self.owner.values())}
         if self.memory is not None:
             out["residuals"] = size(self.memory.residuals.values()) + size(self.memory.velocities.values())
         out["total"] = sum(out.values())
@@ -330,7 +404,14 @@ class LocalSteps:
                 if self.dense_compression is not None and world > 1:
                     wire, ctx = self.dense_compression.compress(wire)
                 dense.append((name, wire, ctx))
+            parts = {}
+            if sparse:
+                sparse = self._encode_sharded_sparse(sparse, world, parts)
+            if codes:
+                codes = self._encode_sharded_dense(codes, parts)
             averages = self._exchange(dense, sparse, world, active)
+            if parts:
+                averages.update(self._exchange_sharded(parts, world))
             if halves:
                 averages.update(self._exchange_bf16(halves, world))
             if codes:
@@ -382,6 +463,58 @@ class LocalSteps:
                 aggregate_blocks(avg, blocks, [s.codec.count] * world, s.codec, c.wire_value_dtype(info.dtype),
                                  1.0 / world)
                 out[name] = avg.view(info.shape)
+        return out
+
+    def _encode_sharded_sparse(self, sparse, world: int, parts: dict) -> list:
+        """The rank-side half of the owner-sharded exchange for the sparse tensors on it: each selection cut into
+        its shards' blocks (encoded as the allgather path encodes them: the same error feedback). Returns the
+        tensors left to the allgather (a selection whose codec has no fibers this sync, e.g. ADTopk-I's global
+        rounds)."""
+        rest = []
+        for name, s in sparse:
+            layout = getattr(s.codec, "layout", None)
+            plan = None
+            if name in self.shard_plans and layout is not None:
+                plan = self.shard_plans[name]
+                if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+                    plan = self._shard_plan(self.infos[name], world, layout)  # a density warm-up's k
+            if plan is None:
+                rest.append((name, s))
+                continue
+            quantized = self.outer.value_bits is not None
+            blocks, carried = sharded.encode_sparse(plan, s.values if quantized else s.wire_values, s.wire_index)
+            if quantized and self.memory is not None:
+                self.memory.update(name, s.flat, s.values - carried.to(s.values.dtype))
+            info = self.infos[name]
+            parts[name] = sharded.Contribution(plan, blocks, info.dtype, info.numel)
+        return rest
+
+    def _encode_sharded_dense(self, codes, parts: dict) -> list:
+        """The same for dense low-bit tensors: ``a = delta + beta e`` cut into shards of rows, ``e <- a - carried``."""
+        rest = []
+        for name, delta in codes:
+            plan = self.shard_plans.get(name)
+            if plan is None:
+                rest.append((name, delta))
+                continue
+            a = self.memory.compensate(name, delta)
+            blocks, carried = sharded.encode_dense(plan, a)
+            a.sub_(carried.to(a.dtype).view(a.shape))
+            info = self.infos[name]
+            parts[name] = sharded.Contribution(plan, blocks, info.dtype, info.numel)
+        return rest
+
+    def _exchange_sharded(self, parts: dict, world: int) -> Dict[str, torch.Tensor]:
+        """Both stages of the owner-sharded exchange (:mod:`horovod_adtopk.sharded`); the owners' residuals of
+        this rank are updated in ``self.owner``."""
+        updates, wires = sharded.exchange(self.comm, parts, self.owner, "hat.outer.sharded")
+        out = {}
+        for name, part in parts.items():
+            info = self.infos[name]
+            plan = part.plan
+            count = sum((hi - lo) for lo, hi in plan.bounds) * plan.k
+            self.stats.traffic(name, count, sum(b.numel() for b in part.blocks), wires[name])
+            out[name] = updates[name].view(info.shape)
         return out
 
     def _exchange_quantized(self, sparse, world: int, out: Dict[str, torch.Tensor]) -> None:
@@ -461,9 +594,38 @@ class LocalSteps:
         per-rank layout; in the middle of an interval also this rank's own parameters, which then differ from
         every other rank's (so that one file written by rank 0 restores every rank exactly)."""
         entry = layout.local_entry(self.memory, self.compression, self.sparse)
+        if self.owner:  # this rank's shards of the owners' residuals (fiber-major rows [fibers, fiber_len])
+            entry["owner"] = {n: t.detach().clone() for n, t in self.owner.items()}
         if self.step > 0:
             entry["local_params"] = {n: p.detach().clone() for n, p in self.params}
         return entry
+
+    def restore_owner(self, entry: Optional[dict]) -> None:
+        """The owners' residuals from this rank's entry: its own shards (same world size), or its slice of every
+        owner's residuals joined in fiber order (``owner_full``: a gathered checkpoint resumed at another world
+        size, :func:`horovod_adtopk.state.fold`). Shards that do not fit this world's plan are dropped with a
+        warning; without an entry the owners start empty."""
+        self.owner, self.owner_world = {}, self.comm.size()
+        entry = entry or {}
+        full = entry.get("owner_full")
+        mine = entry.get("owner", {}) if full is None else {}
+        devices = {n: p.device for n, p in self.params}
+        dropped = []
+        for name, t in (full or mine).items():
+            plan = self.shard_plans.get(name)
+            if plan is None:
+                dropped.append(name)
+                continue
+            lo, hi = plan.bounds[self.comm.rank()]
+            want = (plan.fibers, plan.fiber_len) if full is not None else (hi - lo, plan.fiber_len)
+            if tuple(t.shape) != want:
+                dropped.append(name)
+                continue
+            t = t[lo:hi] if full is not None else t
+            self.owner[name] = t.detach().to(devices[name], copy=True).contiguous()
+        if dropped:
+            warnings.warn(f"horovod_adtopk: the owners' residuals of {sorted(dropped)} do not fit this world's shards "
+                          "and are dropped (the update they held is lost once)")
 
     def restore_local(self, entry: Optional[dict]) -> None:
         """After :meth:`load_shared`: a checkpoint written mid-interval puts this rank's own parameters back
@@ -498,7 +660,8 @@ class LocalSteps:
                              "resume with the settings it was written with")
         saved_outer = block.get("outer")
         if isinstance(saved_outer, dict):  # written before feedback_decay / value_bits / value_group: their defaults
-            saved_outer = {"feedback_decay": 1.0, "value_bits": None, "value_group": None, **saved_outer}
+            saved_outer = {"feedback_decay": 1.0, "value_bits": None, "value_group": None, "exchange": "auto",
+                           **saved_outer}
         saved = {"sync_every": block.get("sync_every"), "outer": saved_outer}
         mine = {"sync_every": self.sync_every, "outer": self.outer.config()}
         if saved != mine:
@@ -526,6 +689,7 @@ class LocalSteps:
             self.compression.reset_state()
             self.sparsifier.nonfinite.clear()
         self.theta, self.momentum, self.step = None, {}, 0
+        self.owner = {}
         self.plan()
 
     def report(self) -> dict:
@@ -635,6 +799,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
             return
         local.load_shared(ours[STATE_BLOCK])
         local.restore_local(entry)
+        local.restore_owner(entry)
         if entry is None:
             if local.memory is not None:
                 local.memory.reset()
@@ -651,7 +816,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         return {"inner": elastic.deep(super(self.__class__, self).state_dict()), "shared": local.shared_state(),
                 "memory": local.memory.state_dict() if local.memory is not None else None,
                 "compressor": elastic.deep(local.compression.state_dict()) if local.sparse else None,
-                "world": self._residual_world}
+                "owner": {n: t.clone() for n, t in local.owner.items()}, "world": self._residual_world}
 
     def _elastic_restore(self, snap: dict) -> None:
         """After a failed collective: back to the last commit (the model's handler restores the parameters)."""
@@ -662,6 +827,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
             local.memory.load_state_dict(snap["memory"], {n: p.device for n, p in local.params})
         if local.sparse:
             local.compression.load_state_dict(elastic.deep(snap["compressor"]))
+        local.owner = {n: t.clone() for n, t in snap.get("owner", {}).items()}
         self._residual_world = snap["world"]
 
     def _elastic_sync(self) -> None:

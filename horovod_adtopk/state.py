@@ -77,7 +77,9 @@ def fold(ranks: dict, old_size: int, new_size: int, rank: int) -> dict:
 
     (momentum-correction velocities alike), so nothing owed is lost or applied twice. The adaptive
     compressor state and, with local steps, the wrapped optimizer's state come from old rank ``j mod W``;
-    the hierarchical block memory and mid-interval local parameters depend on the layout and are dropped."""
+    the hierarchical block memory and mid-interval local parameters depend on the layout and are dropped.
+    The owners' residuals of local steps' sharded exchange (in units of the average, each owner a range of
+    fibers) are joined into ``owner_full``, from which every new owner takes its own range."""
     members = [i for i in range(old_size) if i % new_size == rank]
     factor = new_size / old_size
     memory: dict = {}
@@ -94,6 +96,11 @@ def fold(ranks: dict, old_size: int, new_size: int, rank: int) -> dict:
              "folded_from": members}
     if "inner_optimizer" in source:
         entry["inner_optimizer"] = source["inner_optimizer"]
+    owners = [ranks[i].get("owner") for i in range(old_size)]
+    if all(owners):  # local steps' owner-sharded exchange: every owner's shard, joined in fiber (= rank) order
+        import torch
+        entry["owner_full"] = {name: torch.cat([o[name].detach() for o in owners]) for name in owners[0]
+                               if all(name in o for o in owners)}
     return entry
 
 

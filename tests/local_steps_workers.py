@@ -52,6 +52,7 @@ def outer_of(case):
     o = case["outer"]
     low_bit = {"feedback_decay": o.get("feedback_decay", 1.0), "value_bits": o.get("value_bits"),
                "value_group": o.get("value_group")}
+    low_bit["exchange"] = o.get("exchange", "auto")
     return (hat.Outer.nesterov(o["lr"], o["momentum"], **low_bit) if o.get("nesterov")
             else hat.Outer.sgd(o["lr"], **low_bit))
 
@@ -92,6 +93,7 @@ def train_case(case, rank, model, opt, comm):
     sd = opt.state_dict()["horovod_adtopk"]
     entry = next(iter(sd["ranks"].values()))
     out["residuals"] = {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()}
+    out["owner"] = {n: t.numpy().tolist() for n, t in entry.get("owner", {}).items()}
     out["final"] = _params(model)
     out["delta_sum"] = {n: t.numpy().tolist() for n, t in delta_sum.items()}
     out["stats"] = {k: v for k, v in opt.stats().items() if k in ("bytes_sent", "bytes_dense", "steps", "round", "wire_bytes_sent",
@@ -162,7 +164,7 @@ def resume(args, outdir):
     """Stop in the middle of an interval, restore from one gather_state_dict file, continue: bitwise the same."""
     import horovod.torch as hvd
     H, total, stop = args["sync_every"], args["steps"], args["stop"]
-    kw = dict(sync_every=H, outer=hat.Outer.nesterov(0.7, 0.9), warmup_steps=1,
+    kw = dict(sync_every=H, outer=hat.Outer.nesterov(0.7, 0.9, exchange=args.get("exchange", "auto")), warmup_steps=1,
               compression=hat.Compression.adtopk(ratio=0.1, min_numel=0, hybrid=False))
     model, base = _resumable(args)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -185,7 +187,8 @@ def resume(args, outdir):
     opt.load_state_dict(ckpt["opt"])
     step_in_interval = opt._local.step
     _mlp_run(model, opt, hvd.rank(), stop, total)
-    return {"straight": straight, "resumed": digest(model), "step_in_interval": step_in_interval}
+    return {"straight": straight, "resumed": digest(model), "step_in_interval": step_in_interval,
+            "owner_tensors": len(opt._local.owner), "paths": sorted({t["path"] for t in opt.stats()["tensors"].values()})}
 
 
 def errors(args, outdir):
@@ -272,7 +275,7 @@ def other_world(args, outdir):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                    compression=hat.Compression.adtopk(ratio=0.1, **{"min_numel": 0, "hybrid": False}),
-                                   sync_every=3, outer=hat.Outer.nesterov(0.7, 0.9))
+                                   sync_every=3, outer=hat.Outer.nesterov(0.7, 0.9, exchange="sharded"))
     if args.get("write"):
         for s in range(4):  # one sync, then one step into the next interval
             opt.zero_grad()
@@ -292,7 +295,10 @@ def other_world(args, outdir):
     return {"warnings": [str(w.message) for w in caught], "step": local.step, "syncs": local.syncs,
             "params_are_outer": all(torch.equal(p.detach(), block["outer_params"][n]) for n, p in model.named_parameters()),
             "momentum_kept": all(torch.equal(local.momentum[n], t) for n, t in block["momentum"].items()),
-            "residuals": len(local.memory.residuals)}
+            "residuals": len(local.memory.residuals),
+            # the owners' residuals of the sharded exchange: written by 2 owners, re-cut among 3
+            "owner_written": [ckpt["opt"]["horovod_adtopk"]["ranks"][i]["owner"]["weight"].tolist() for i in range(2)],
+            "owner_now": local.owner["weight"].tolist()}
 
 
 def join_uneven(args, outdir):
@@ -391,6 +397,8 @@ def hvd_job(args, outdir):
     out = {"reference": reference_cases(args, outdir)}
     if args.get("other_world"):
         out["other_world"] = other_world(args["other_world"], outdir)
+    if args.get("sharded_resume"):  # the owners' residuals in one gathered checkpoint: bitwise as not stopping
+        out["resume_sharded"] = resume({"sync_every": 4, "steps": 16, "stop": 6, "exchange": "sharded"}, outdir)
     if args.get("all"):
         out["equivalence"] = equivalence({"steps": 8}, outdir)
         out["resume"] = resume({"sync_every": 4, "steps": 16, "stop": 6}, outdir)

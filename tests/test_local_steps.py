@@ -75,6 +75,25 @@ CASES = [
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 1,
                "value_group": 48}},
 ]
+# the cases above pin the allgather; these run the owner-sharded exchange (horovod_adtopk.sharded): the owner
+# averages its fibers' shard, adds its own residual, re-selects (ADTopk) and re-encodes, e_own <- c - carried
+for _case in CASES:
+    _case["outer"].setdefault("exchange", "allgather")
+SHARDED_CASES = [
+    {"name": "sharded_adtopk_2bit_grouped_decay", "sync_every": 2, "steps": 10, "inner_lr": 0.1, "warmup": 1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 0, **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "feedback_decay": 0.9, "value_bits": 2, "value_group": 8,
+               "exchange": "sharded"}},
+    {"name": "sharded_adtopk_rows_fp_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 1, **SPARSE_KW},
+     "outer": {"lr": 1.0, "momentum": 0.0, "exchange": "sharded"}},
+    {"name": "sharded_joined_columns_2bit_nesterov", "sync_every": 3, "steps": 12, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "min_fiber_len": 48, "join": "columns", **SPARSE_KW},
+     "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "value_bits": 2, "exchange": "sharded"}},
+    {"name": "sharded_dense_2bit_ef_sgd", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "outer": {"lr": 1.0, "momentum": 0.0, "value_bits": 2, "exchange": "sharded"}},
+]
+CASES += SHARDED_CASES
 
 
 # --- the numpy model ---------------------------------------------------------------------------------------------
@@ -120,6 +139,7 @@ def numpy_local_steps(case, initial, world):
     w = [{n: v.copy() for n, v in theta.items()} for _ in range(world)]
     resid = [{} for _ in range(world)]
     mom = {n: np.zeros_like(v) for n, v in theta.items()}
+    owner = {}  # the owners' residuals, all shards together (sharding leaves the math unchanged)
     o, H, sparse_kind = case["outer"], case["sync_every"], case.get("compressor", "none") != "none"
     syncs = 0
     for step in range(case["steps"]):
@@ -169,8 +189,11 @@ def numpy_local_steps(case, initial, world):
                     mine[n] = delta
             sent.append(mine)
         final_average = case.get("final_sync") == "average" and step == case["steps"] - 1 and (step + 1) % H
+        averages = {n: sum(s[n] for s in sent) / world for n in theta}
+        if o.get("exchange") == "sharded" and world > 1 and syncs >= case.get("warmup", 0):
+            owner_stage(case, averages, owner)
         for n in theta:
-            avg = sum(s[n] for s in sent) / world
+            avg = averages[n]
             if final_average:  # sync_now(average=True): the average as it is, the momentum kept
                 theta[n] = theta[n] - avg
             elif o["momentum"] > 0:
@@ -181,7 +204,30 @@ def numpy_local_steps(case, initial, world):
         for r in range(world):
             w[r] = {n: v.copy() for n, v in theta.items()}
         syncs += 1
-    return theta, resid
+    return theta, resid, owner
+
+
+def owner_stage(case, averages, owner):
+    """The owners' step of the sharded exchange on the 2-D weight: c = avg + e_own; ADTopk's rule again on c
+    (the same k per fiber, ties to the lower position), its values carried as the allgather path carries a
+    rank's (low-bit codes per run of fibers, or exactly); e_own = c - carried; the update is what was carried.
+    Shards are runs of whole value groups, so cutting the fibers among owners changes no value."""
+    o = case["outer"]
+    n = "weight"
+    c = averages[n] + owner.get(n, 0.0)
+    if case.get("compressor", "none") == "none":  # dense low-bit: every entry a code, levels per row (run)
+        carried = ref.quantize_sparse(c, np.ones(c.shape, bool), o["value_bits"], 1, o.get("value_group"))
+    else:
+        mask = select_mask(case, c)
+        carried = np.where(mask, c, 0.0)
+        if o.get("value_bits") and joined(case):
+            view = ref.joined_columns_shape(c.shape, joined(case))
+            carried = ref.quantize_sparse(c.reshape(view), mask.reshape(view), o["value_bits"], 0,
+                                          o.get("value_group")).reshape(c.shape)
+        elif o.get("value_bits"):
+            carried = ref.quantize_sparse(c, mask, o["value_bits"], case["kwargs"]["axis"], o.get("value_group"))
+    owner[n] = c - carried
+    averages[n] = carried
 
 
 # --- the checks --------------------------------------------------------------------------------------------------
@@ -190,7 +236,9 @@ def check_reference(results, world):
     """``results[rank][case]`` from local_steps_workers.train_case."""
     for ci, case in enumerate(CASES):
         per_rank = [results[r][ci] for r in range(world)]
-        theta, resid = numpy_local_steps(case, per_rank[0]["initial"], world)
+        theta, resid, owner = numpy_local_steps(case, per_rank[0]["initial"], world)
+        if owner:  # every rank's shard of the owners' residuals, joined in fiber order
+            check_owner_residuals(case, per_rank, owner, world)
         H = case["sync_every"]
         for r, res in enumerate(per_rank):
             assert res["initial"] == per_rank[0]["initial"], f"{case['name']}: rank {r} did not start from rank 0"
@@ -218,24 +266,30 @@ def check_reference(results, world):
         if case["outer"]["lr"] == 1.0 and case["outer"]["momentum"] == 0.0 and lossless:  # the EF invariant
             for n in theta:
                 initial = np.array(per_rank[0]["initial"][n])
-                moved = world * (initial - np.array(per_rank[0]["final"][n]))  # = sum_r sent_r
+                moved = world * (initial - np.array(per_rank[0]["final"][n]))  # = sum_r sent_r - W sum_j e_own_j
                 sent = sum(np.array(res["delta_sum"][n]) - np.array(res["residuals"].get(n, 0.0)) for res in per_rank)
+                if n in owner:  # the owners' memory holds what the second selection did not carry yet
+                    sent = sent - world * owner[n]
                 np.testing.assert_allclose(sent, moved, rtol=1e-9, atol=1e-12, err_msg=f"EF invariant {n}")
             assert any(np.abs(np.array(v)).sum() > 0 for res in per_rank for v in res["residuals"].values())
         stats = per_rank[0]["stats"]
         dense = 4 * (IN * OUT + OUT) * case["steps"]
         assert stats["bytes_dense"] == dense and stats["steps"] == case["steps"] and stats["round"] == n_syncs(case)
         assert 0 < stats["bytes_sent"] < dense
-        if case["outer"].get("value_bits") and case.get("compressor") == "adtopk":
+        sharded_case = case["outer"]["exchange"] == "sharded"
+        if case["outer"].get("value_bits") and case.get("compressor") == "adtopk" and not sharded_case:
             assert stats["bytes_sent"] == low_bit_bytes(case, world), case["name"]
-        if case["outer"].get("value_bits") and "compressor" not in case:
+        if case["outer"].get("value_bits") and "compressor" not in case and not sharded_case:
             assert stats["bytes_sent"] == low_bit_dense_bytes(case), case["name"]
         # wire bytes: every exchange here is an allgather or an allreduce, and at W ranks an allgather moves
         # (W-1) payloads, a ring allreduce 2 (W-1)/W of its buffer; at 2 ranks both are the payload itself
-        assert stats["wire_bytes_sent"] == stats["wire_bytes_received"], case["name"]
         assert stats["wire_bytes_dense"] == round(2 * (world - 1) / world * 4 * (IN * OUT + OUT)) * case["steps"]
-        if world == 2:
-            assert stats["wire_bytes_sent"] == stats["bytes_sent"], case["name"]
+        if case["outer"]["exchange"] == "sharded":
+            check_sharded_bytes(case, per_rank, world)
+        else:
+            assert stats["wire_bytes_sent"] == stats["wire_bytes_received"], case["name"]
+            if world == 2:
+                assert stats["wire_bytes_sent"] == stats["bytes_sent"], case["name"]
         mem = per_rank[0]["memory_bytes"]
         numel = IN * OUT + OUT
         assert mem["outer_params"] == 8 * numel
@@ -244,6 +298,74 @@ def check_reference(results, world):
         # the bias keeps a residual where it travels rounded: as codes (gathered below 16 ranks here) or bfloat16
         bf16_bias = OUT if case["outer"].get("value_bits") and (low_bit_dense or bf16_gathers(OUT, world)) else 0
         assert mem["residuals"] == (8 * (IN * OUT + bf16_bias) if "compressor" in case or low_bit_dense else 0)
+
+
+def fiber_matrix(case, w):
+    """The weight as the sharded exchange's fiber matrix [fibers, fiber_len] (rows of the fiber view)."""
+    if case.get("compressor", "none") == "none":
+        return w
+    if joined(case):
+        return w.reshape(ref.joined_columns_shape(w.shape, joined(case))).T
+    return w if case["kwargs"]["axis"] == 1 else w.T
+
+
+def weight_shards(case, world):
+    """(fibers, fiber_len, k, run, owner fiber ranges) of the weight, from the rules written out here: runs of
+    whole fibers sharing levels (value_group), owner j taking groups [G j // W, G (j+1) // W)."""
+    fibers, fiber_len = fiber_matrix(case, np.zeros((OUT, IN))).shape
+    o = case["outer"]
+    k = fiber_len if case.get("compressor", "none") == "none" else int(np.floor(case["kwargs"]["ratio"] * fiber_len))
+    run = ref.fiber_run(fibers, k, o.get("value_group")) if o.get("value_bits") else 1
+    groups = fibers // run
+    return fibers, fiber_len, k, run, [(groups * j // world * run, groups * (j + 1) // world * run) for j in range(world)]
+
+
+def check_owner_residuals(case, per_rank, owner, world):
+    """Every rank holds the owner residual of its own fibers; joined in rank order they equal the model's."""
+    fibers, fiber_len, _, _, bounds = weight_shards(case, world)
+    parts = [np.array(res["owner"]["weight"]).reshape(-1, fiber_len) for res in per_rank]
+    assert [p.shape[0] for p in parts] == [hi - lo for lo, hi in bounds], case["name"]
+    np.testing.assert_allclose(np.concatenate(parts), fiber_matrix(case, owner["weight"]), rtol=1e-9, atol=1e-12,
+                               err_msg=f"{case['name']}: owners' residuals")
+    assert sum(res["memory_bytes"]["owner_residuals"] for res in per_rank) == 8 * IN * OUT
+
+
+def check_sharded_bytes(case, per_rank, world):
+    """Wire bytes of the sharded weight per sync, from the block format written out here (levels, codes and
+    packed indices padded to 8 bytes; without value_bits float64 values and int16 indices): stage 1 sends the
+    other owners' blocks and receives (W-1) of its own shard's, stage 2 (W-1) of the widest block each way.
+    The bias travels as in the allgather cases (float64 allreduce; bfloat16 gathered below 4 ranks)."""
+    fibers, fiber_len, k, run, bounds = weight_shards(case, world)
+    o = case["outer"]
+    pad = lambda n: -(-n // 8) * 8  # noqa: E731
+    width = int(np.ceil(np.log2(fiber_len)))
+    indexed = case.get("compressor", "none") != "none"
+    def block(lo, hi):
+        n = (hi - lo) * k
+        if not o.get("value_bits"):
+            return pad(8 * n) + pad(2 * n)  # float64 values, int16 indices (the narrowest the wire uses)
+        return pad((hi - lo) // run * 2 ** (o["value_bits"] - 1) * 2 + -(-n * o["value_bits"] // 8)
+                   + (-(-n * width // 8) if indexed else 0))
+    blocks = [block(lo, hi) for lo, hi in bounds]
+    syncs, warm = n_syncs(case), case.get("warmup", 0)
+    codes = pad(2 ** (o.get("value_bits") or 1) + -(-OUT * (o.get("value_bits") or 1) // 8))  # dense: the bias's codes
+    if not indexed:
+        gathers = (world - 1) * codes < 2 * (world - 1) / world * 4 * OUT
+        bias = (world - 1) * codes if gathers else round(2 * (world - 1) / world * 8 * OUT)
+    elif o.get("value_bits"):
+        bias = (world - 1) * 2 * OUT if bf16_gathers(OUT, world) else round(2 * (world - 1) / world * 8 * OUT)
+    else:
+        bias = round(2 * (world - 1) / world * 8 * OUT)
+    dense_weight = round(2 * (world - 1) / world * 8 * IN * OUT)
+    for r, res in enumerate(per_rank):
+        sent = sum(b for j, b in enumerate(blocks) if j != r) + (world - 1) * max(blocks)
+        received = (world - 1) * blocks[r] + (world - 1) * max(blocks)
+        # warm-up syncs: the weight as a float64 allreduce; a sparse rule's bias travels as always (bfloat16 with
+        # value_bits), a dense low-bit bias as float64
+        dense_bias = round(2 * (world - 1) / world * 8 * OUT) if not indexed else bias
+        base = warm * (dense_weight + dense_bias) + (syncs - warm) * bias
+        assert res["stats"]["wire_bytes_sent"] == base + (syncs - warm) * sent, (case["name"], r)
+        assert res["stats"]["wire_bytes_received"] == base + (syncs - warm) * received, (case["name"], r)
 
 
 def n_syncs(case) -> int:
@@ -312,6 +434,7 @@ def job(engine: str, world: int) -> list:
                 job("horovod", 2)
             if world <= 3:
                 args["other_world"] = {"write": ckpt} if world == 2 else {"read": ckpt}
+            args["sharded_resume"] = world == 3
             _JOBS[key] = run_ranks("local_steps_workers:hvd_job", np=world, args=args, timeout=240 if world <= 3 else 480)
         else:
             _JOBS[key] = run_ddp("ddp_job", world, args, timeout=240)
@@ -362,9 +485,20 @@ def test_reset_for_elastic_starts_a_fresh_interval():
     for r in res:
         assert r["held_before"]["residuals"] > 0 and r["held_before"]["outer_momentum"] > 0
         assert r["after"]["step_in_interval"] == 0
-        assert r["after"]["memory_bytes"] == {"outer_params": 0, "outer_momentum": 0, "residuals": 0, "total": 0}
+        assert r["after"]["memory_bytes"] == {"outer_params": 0, "outer_momentum": 0, "residuals": 0,
+                                              "owner_residuals": 0, "total": 0}
         assert r["theta_is_start"]
     assert res[0]["digest"] == res[1]["digest"]
+
+
+def test_sharded_resume_mid_interval_is_bitwise():
+    """Three ranks, the owner-sharded exchange on every matrix: a gathered checkpoint (owners' residuals
+    included) restores every rank exactly in the middle of an interval."""
+    res = [r["resume_sharded"] for r in job("horovod", 3)]
+    for r in res:
+        assert r["resumed"] == r["straight"], "resume with the sharded exchange changed the result"
+        assert r["step_in_interval"] == 2 and r["owner_tensors"] > 0 and "sharded" in r["paths"], r
+    assert len({r["straight"] for r in res}) == 1
 
 
 def test_checkpoint_from_another_world_size():
@@ -377,6 +511,12 @@ def test_checkpoint_from_another_world_size():
         assert (got["residuals"] > 0) == (rank < 2), (rank, got)
         assert not any("holds compression state for ranks" in w for w in got["warnings"]), got["warnings"]
         assert any("interval restarts from the outer parameters" in w for w in got["warnings"]), got["warnings"]
+    # the owners' residuals (units of the average, one range of fibers per owner) are re-cut, none lost or doubled
+    ranks = job("horovod", 3)
+    written = np.concatenate([np.array(m) for m in ranks[0]["other_world"]["owner_written"]])
+    now = np.concatenate([np.array(r["other_world"]["owner_now"]) for r in ranks])
+    assert np.abs(written).sum() > 0 and len(ranks[0]["other_world"]["owner_written"][1]) > 0
+    np.testing.assert_array_equal(now, written)
 
 
 def test_horovod_join_uneven_data():
@@ -395,15 +535,15 @@ def test_job_flags():
     assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
     kw = make_local_steps(args)
     assert kw["sync_every"] == 10 and kw["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                                               "feedback_decay": 1.0, "value_bits": None, "value_group": None}
+                                                               "feedback_decay": 1.0, "value_bits": None, "value_group": None, "exchange": "auto"}
     args = options.parse_args(["--compressor", "none", "--sync-every", "5", "--outer-lr", "1", "--outer-momentum", "0"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 1.0, "value_bits": None, "value_group": None}
+                                                        "feedback_decay": 1.0, "value_bits": None, "value_group": None, "exchange": "auto"}
     assert "sync every 5 steps, outer SGD lr 1.0" in options.describe_compression(args)
     args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
                                "0", "--outer-feedback-decay", "0.95"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 0.95, "value_bits": None, "value_group": None}
+                                                        "feedback_decay": 0.95, "value_bits": None, "value_group": None, "exchange": "auto"}
     assert "error feedback decayed by 0.95 per sync" in options.describe_compression(args)
     # AdamW's per-step default (error feedback on the update) is local steps with H = 1: the decay applies there too
     args = options.parse_args(["--dataset", "shakespeare", "--model", "gpt", "--compressor", "topk",
@@ -581,7 +721,7 @@ def test_value_bits_job_flag():
     args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10", "--outer-lr", "1",
                                "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2"])
     assert make_local_steps(args)["outer"].config() == {"lr": 1.0, "momentum": 0.0, "nesterov": False,
-                                                        "feedback_decay": 0.95, "value_bits": 2, "value_group": None}
+                                                        "feedback_decay": 0.95, "value_bits": 2, "value_group": None, "exchange": "auto"}
     assert "2-bit values and bit-packed indices" in options.describe_compression(args)
     args = options.parse_args(["--compressor", "adtopk", "--sync-every", "10", "--outer-lr", "1", "--outer-momentum",
                                "0", "--outer-value-bits", "2", "--outer-value-group", "64"])
@@ -590,7 +730,7 @@ def test_value_bits_job_flag():
     args = options.parse_args(["--compressor", "none", "--sync-every", "16", "--outer-value-bits", "1",
                                "--outer-value-group", "1024", "--outer-feedback-decay", "0.9"])  # dense low-bit
     assert make_local_steps(args)["outer"].config() == {"lr": 0.7, "momentum": 0.9, "nesterov": True,
-                                                        "feedback_decay": 0.9, "value_bits": 1, "value_group": 1024}
+                                                        "feedback_decay": 0.9, "value_bits": 1, "value_group": 1024, "exchange": "auto"}
     assert "every entry as a 1-bit code" in options.describe_compression(args)
     for argv in (["--compressor", "adtopk", "--outer-value-bits", "2"],
                  ["--compressor", "fp16", "--sync-every", "4", "--outer-value-bits", "2"],

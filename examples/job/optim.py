@@ -31,7 +31,8 @@ def make_local_steps(args: argparse.Namespace) -> dict:
         return {}
     decay = getattr(args, "outer_feedback_decay", 1.0)
     low_bit = {"value_bits": getattr(args, "outer_value_bits", None),
-               "value_group": getattr(args, "outer_value_group", None)}
+               "value_group": getattr(args, "outer_value_group", None),
+               "exchange": getattr(args, "outer_exchange", "auto")}
     outer = (hat.Outer.nesterov(lr=args.outer_lr, momentum=args.outer_momentum, feedback_decay=decay, **low_bit)
              if args.outer_momentum else hat.Outer.sgd(lr=args.outer_lr, feedback_decay=decay, **low_bit))
     return {"sync_every": args.sync_every, "outer": outer}

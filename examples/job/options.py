@@ -78,6 +78,10 @@ def _add_local_steps_flags(p: argparse.ArgumentParser) -> None:
                    help="a sparse pseudo-gradient's values travel as this many bits each (1 sign bit, the rest a "
                         "magnitude level per fiber) and its indices bit-packed (SparseLoCo uses 2); what the codes "
                         "do not carry stays in the error-feedback memory (default: the compressor's value dtype)")
+    g.add_argument("--outer-exchange", default="auto", choices=("auto", "allgather", "sharded"),
+                   help="how a sparse or low-bit pseudo-gradient travels: auto picks per tensor, at this world size, "
+                        "whichever of an allgather, an allreduce and the owner-sharded two-stage exchange (about two "
+                        "payloads per rank whatever the ranks) moves the fewest bytes")
     g.add_argument("--outer-value-group", type=int, default=None, metavar="N",
                    help="with --outer-value-bits: whole fibers share one set of magnitude levels until a set serves "
                         "at least N kept entries (short fibers keep few entries, and their levels would cost more "

@@ -117,6 +117,18 @@ class ProcessGroupComm:
         self._wait([self.gather_async(o, t) for o, t in zip(outs, tensors)])
         return outs
 
+    def alltoall(self, tensor: torch.Tensor, send_splits: List[int], recv_splits: List[int],
+                 name: str) -> torch.Tensor:  # noqa: ARG002
+        """Blocking all-to-all of a 1-D tensor (``all_to_all_single``; Gloo on CPU tensors, NCCL on CUDA):
+        ``send_splits[j]`` elements go to rank ``j``; returns what every rank sent this one, in rank order."""
+        out = torch.empty(sum(recv_splits), dtype=tensor.dtype, device=tensor.device)
+        self.collectives += 1
+        try:
+            dist.all_to_all_single(out, tensor.contiguous(), list(recv_splits), list(send_splits), group=self.group)
+        except RuntimeError as exc:
+            raise peer_lost(exc) from exc
+        return out
+
     def active_members(self, name: str) -> int:  # noqa: ARG002
         """Every member is active (the DDP engine has no join protocol)."""
         return self.size()
