@@ -47,6 +47,9 @@ Configurations (``--configs``; each the job's own flags, ``CONFIGS`` below):
 ``powersgd``       ``--compressor powersgd --powersgd-rank 4``
 ``recipe``         the README's AdamW transformer recipe: ADTopk 0.25 on the pseudo-gradient of 4 local steps,
                    ``Outer.sgd(lr=1.0, feedback_decay=0.95, value_bits=2, value_group=64)``
+``recipe_allgather``  the recipe with ``--outer-exchange allgather`` (every payload gathered, as before the
+                   owner-sharded exchange; ``recipe`` runs the default ``auto``, which shards from 3 ranks on)
+``adtopk_update_allgather``  ``adtopk_update`` with its payloads gathered (``adtopk_update``: ``auto``)
 ``diloco``         dense DiLoCo: ``--compressor none --sync-every 4`` (outer Nesterov lr 0.7, momentum 0.9)
 ``hierarchical``   skipped: the job has no flag for it, and with one rank per host ``hierarchical=True`` falls
                    back to the flat exchange (tests/test_hierarchical.py runs it at 2 ranks per host)
@@ -92,6 +95,11 @@ CONFIGS: Dict[str, Optional[List[str]]] = {
     "recipe": ["--compressor", "adtopk", "--ratio", "0.25", "--sync-every", "4", "--outer-lr", "1",
                "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2",
                "--outer-value-group", "64"],
+    "recipe_allgather": ["--compressor", "adtopk", "--ratio", "0.25", "--sync-every", "4", "--outer-lr", "1",
+                         "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2",
+                         "--outer-value-group", "64", "--outer-exchange", "allgather"],
+    "adtopk_update_allgather": ["--compressor", "adtopk", "--ratio", "0.01", "--no-warmup", "--outer-exchange",
+                                "allgather"],
     "diloco": ["--compressor", "none", "--sync-every", "4"],
     "hierarchical": None,
 }

@@ -299,22 +299,38 @@ def hierarchical(shapes, world, local, link, ratio=0.01):
     return c.merge(adtopk(rest, world, local, link, ratio=ratio))
 
 
-@exchange("adamw_recipe", "README AdamW recipe: ADTopk 0.25, 2-bit values, every 4 steps", "diloco")
-def adamw_recipe(shapes, world, local, link, ratio=0.25, bits=2, value_group=64, interval=4):
-    """``LocalSteps``: a sparse tensor's low-bit block allgathered where that beats the fp32 allreduce
-    (``choose_path`` on the low-bit payload); the rest bf16-allgathered where that moves fewer bytes than the
-    fp32 allreduce (W < 4), else allreduced in fp32."""
+def flat_sharded(payload: float, world: int, local: int) -> Cost:
+    """``horovod_adtopk.sharded`` over all W ranks (no in-host stage): an all-to-all of the shards, then an
+    allgather of the owners' blocks: ``2 (W-1)/W P`` per rank in ``2 (W-1)`` messages. A host's NIC carries the
+    all-to-all traffic of its L ranks to the other hosts, ``L (W-L)/W P``, and one ring edge of the allgather."""
+    share = round(2 * (world - 1) / world * payload)
+    nic = (local * (world - local) / world * payload + (world - 1) / world * payload) if world > local else 0
+    return Cost(netcost.Wire(share, share), nic, 0, 2 * (world - 1))
+
+
+@exchange("adamw_recipe", "README AdamW recipe: ADTopk 0.25, 2-bit values, every 4 steps (auto: sharded from W = 3)",
+          "diloco")
+def adamw_recipe(shapes, world, local, link, ratio=0.25, bits=2, value_group=64, interval=4, shard=True):
+    """``LocalSteps``: a sparse tensor's low-bit block by the cheapest of the owner-sharded exchange (from 3
+    ranks on), an allgather (where that beats the fp32 allreduce) and the allreduce; the rest bf16-allgathered
+    where that moves fewer bytes than the fp32 allreduce (W < 4), else allreduced in fp32."""
     c, gathered, reduced = Cost(), 0, 0
     for _, shape in shapes:
         numel, q = math.prod(shape), lowbit_sparse(shape, ratio, bits, value_group)
-        if q is not None and q < 4 * numel and netcost.choose_gather(q, 4 * numel, world, link)[0]:
+        if (shard and q is not None and world > 2 and len(shape) >= 2
+                and 2 * (world - 1) / world * q < min(4 * numel * 2 * (world - 1) / world, (world - 1) * q)):
+            c.merge(flat_sharded(q, world, local))
+            gathered, c.elements = gathered + 0, c.elements + numel
+            c.notes += [] if "sharded" in c.notes else ["sharded"]
+            c.entries += (world + 1) * sparse_spec(shape, "adtopk", ratio).count
+        elif q is not None and q < 4 * numel and netcost.choose_gather(q, 4 * numel, world, link)[0]:
             gathered, c.elements = gathered + q, c.elements + numel
             c.entries += world * sparse_spec(shape, "adtopk", ratio).count
         elif netcost.allgather(2 * numel, world).received < netcost.allreduce(4 * numel, world).received:
             gathered, c.entries = gathered + 2 * numel, c.entries + world * numel
         else:
             reduced += 4 * numel
-    c.notes += [] if gathered else ["every tensor allreduced: DiLoCo's exchange"]
+    c.notes += [] if gathered or "sharded" in c.notes else ["every tensor allreduced: DiLoCo's exchange"]
     return c.ring(netcost.ALLGATHER, gathered, world, local).ring(netcost.ALLREDUCE, reduced, world, local).every(interval)
 
 
@@ -333,6 +349,10 @@ def two_stage(payload: float, numel: int, world: int, local: int) -> Cost:
     share = round(2 * (hosts - 1) / hosts * payload / local)
     return Cost(netcost.Wire(share, share), 2 * (hosts - 1) / hosts * payload, 2 * (local - 1) / local * 4 * numel,
                 2 * (hosts - 1) + 2 * (local - 1))
+
+
+exchange("adamw_recipe_allgather", "the recipe with exchange=\"allgather\" (every payload gathered)", "diloco")(
+    functools.partial(adamw_recipe, shard=False))
 
 
 @exchange("lowbit_twostage", "NOT BUILT YET: 2-bit codes of every entry, all-to-all + allgather, every 4 steps", "diloco")

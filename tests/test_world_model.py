@@ -90,11 +90,17 @@ def test_adamw_recipe_low_bit_block_and_its_switch_to_allreduce():
     # [768, 3072] at ratio 0.25: rows, k = 768, 589,824 entries; 2-bit codes 147,456 B, indices of 12 bits
     # (fiber of 3072) 884,736 B, one group per fiber (k >= 64): 768 x 2 bf16 levels = 3,072 B -> 1,035,264 B
     shape = [("w", (768, 3072))]
-    c16 = wm.REGISTRY["adamw_recipe"][0](shape, 16, 8, FUSED)
+    gathered = wm.REGISTRY["adamw_recipe_allgather"][0]  # exchange="allgather": the allgather or the allreduce
+    c16 = gathered(shape, 16, 8, FUSED)
     assert c16.wire.sent == 15 * 1_035_264 // 4 and not c16.per_step  # gathered (16 P < 2 D), a sync every 4 steps
-    c32 = wm.REGISTRY["adamw_recipe"][0](shape, 32, 8, FUSED)
+    c32 = gathered(shape, 32, 8, FUSED)
     assert c32.wire.sent == 2 * 31 * 4 * 768 * 3072 // 32 // 4  # 32 P >= 2 D: fp32 allreduce, as DiLoCo
     assert c32.wire.sent == wm.REGISTRY["diloco"][0](shape, 32, 8, FUSED).wire.sent
+    # the default (auto): the owner-sharded exchange from 3 ranks on, 2 (W-1)/W P per rank at any W
+    for w in (3, 16, 32, 1024):
+        c = wm.REGISTRY["adamw_recipe"][0](shape, w, 8, FUSED)
+        assert c.wire.sent == round(2 * (w - 1) / w * 1_035_264) // 4 and c.steps == 2 * (w - 1) // 4, w
+    assert wm.REGISTRY["adamw_recipe"][0](shape, 2, 1, FUSED).wire.sent == 1_035_264 // 4  # W = 2: gathered
 
 
 def test_not_built_exchanges_do_not_grow_with_w():
