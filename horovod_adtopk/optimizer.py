@@ -566,6 +566,29 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
       ``hat.Outer.sgd(lr=1.0, feedback_decay=0.95)`` measured better); ``warmup_steps`` then counts syncs
       (:mod:`horovod_adtopk.local_steps`).
 
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to wrap; its ``step()`` runs on the averaged gradients.
+        named_parameters: ``model.named_parameters()``; names key the residuals, checkpoints and ``stats()``.
+            Default ``None``: ``allreduce.noname.<group>.<index>``, as Horovod names them.
+        compression: a configured compressor, e.g. ``hat.Compression.adtopk(ratio=0.01)`` (ratio: fraction of a
+            tensor's entries sent), or Horovod's ``Compression.none`` / ``fp16``. Default: none (dense).
+        backward_passes_per_step: backward passes accumulated locally per exchange. Default 1.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with ``hvd.Average``, scale by ``1 / factor`` before the sum and by
+            ``factor / size`` after, as Horovod (a number, no unit). Default 1.0.
+        num_groups: deprecated Horovod name of ``groups`` (an int). Default 0.
+        groups: fusion groups of the dense tensors, an int or lists of parameters. Default ``None``.
+        sparse_as_dense: send sparse gradients (``nn.Embedding(sparse=True)``) densely. Default False.
+        process_set: the Horovod process set to average over. Default: every rank.
+        partial_sparsification: measure each tensor's sparse and dense paths, then keep the faster. Default False.
+        profile_rounds: rounds (communicating steps) profiled for ``partial_sparsification``. Default 5.
+        warmup_steps: the first N rounds travel dense (with ``sync_every``: the first N syncs). Default 0.
+        hierarchical: ``True``, ``False`` (default) or ``"auto"``: dense inside a host, sparse between hosts.
+        overlap: ``True``, ``False`` (default) or ``"auto"``: selection of CPU tensors on a worker thread.
+        sync_every: local steps: steps between syncs (an int H >= 1). Default ``None``: every step communicates.
+        outer: the outer optimizer of local steps (``hat.Outer``). Default ``None``: ``hat.Outer.nesterov(lr=0.7,
+            momentum=0.9)`` when ``sync_every`` is given.
+
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
         opt = hat.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
