@@ -7,13 +7,11 @@ it stands for. On the project's small GPT (2 ranks, 400 steps) that setting ende
 loss; 4 local steps with ADTopk 0.25 on the pseudo-gradient and 2-bit values ended 8% above, and at 2,000 steps
 within 1.5% of dense for 2.06% of its bytes.
 
-Which setting replaces it depends on the world size, as the decision table of the documentation gives it:
-
-- up to 16 ranks, the local-steps recipe (``sync_every=4``, ``hat.Outer.sgd(lr=1.0, feedback_decay=0.95,
-  value_bits=2, value_group=64)``, ``hat.Compression.adtopk(ratio=0.25)``);
-- beyond, the recipe's sparse payloads would all travel dense (an allgather of ``W - 1`` payloads outgrows the
-  ring allreduce from about 18 ranks on), so a dense exchange every 4 steps is the same bytes for less work:
-  ``sync_every=4``, ``hat.Compression.fp16()``, ``hat.Outer.nesterov(lr=0.7, momentum=0.9)``.
+The setting that replaces it, at any world size, as the decision table of the documentation gives it: the
+local-steps recipe (``sync_every=4``, ``hat.Outer.sgd(lr=1.0, feedback_decay=0.95, value_bits=2,
+value_group=64)``, ``hat.Compression.adtopk(ratio=0.25)``). From 3 ranks on its payloads travel by the
+owner-sharded exchange (:mod:`horovod_adtopk.sharded`), about two payloads per rank whatever the world size,
+where an allgather of ``W - 1`` payloads would outgrow a dense allreduce from about 18 ranks on.
 
 Both engines call :func:`advise` (``hat.DistributedOptimizer`` when it builds the per-step optimizer,
 ``hat.ddp.register`` at the first step of an optimizer that holds the model's parameters). Silence it with
@@ -26,9 +24,10 @@ from typing import Optional
 
 import torch
 
-#: the largest world size at which the local-steps recipe's ADTopk 0.25 payloads stay sparse (netcost's rule;
-#: the world-size model finds every tensor dense from about 18 ranks)
-RECIPE_MAX_WORLD = 16
+#: the recipe, the setting the decision table gives an Adam-family optimizer (every world size: the sharded
+#: exchange keeps its bytes per rank bounded)
+RECIPE = ("sync_every=4, outer=hat.Outer.sgd(lr=1.0, feedback_decay=0.95, value_bits=2, value_group=64), "
+          "compression=hat.Compression.adtopk(ratio=0.25)")
 
 
 class SettingAdvice(UserWarning):
@@ -53,11 +52,9 @@ def is_per_step_sparse_with_feedback(compression) -> bool:
 
 def recommendation(world_size: int) -> str:
     """The setting the decision table gives an Adam-family optimizer at ``world_size`` ranks, as code."""
-    if world_size <= RECIPE_MAX_WORLD:
-        return ("sync_every=4, outer=hat.Outer.sgd(lr=1.0, feedback_decay=0.95, value_bits=2, value_group=64), "
-                "compression=hat.Compression.adtopk(ratio=0.25)")
-    return ("sync_every=4, outer=hat.Outer.nesterov(lr=0.7, momentum=0.9), compression=hat.Compression.fp16() "
-            f"(beyond {RECIPE_MAX_WORLD} ranks the sparse recipe's payloads would all travel dense)")
+    if world_size > 2:
+        return RECIPE + " (from 3 ranks its payloads travel owner-sharded: about two per rank at any world size)"
+    return RECIPE
 
 
 def message(optimizer, compression, world_size: int) -> str:

@@ -30,6 +30,7 @@ Nothing here imports Horovod or ``torch.distributed``: the engines hand :func:`e
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -262,7 +263,10 @@ def exchange(comm, parts: Dict[str, Contribution], residuals: Dict[str, torch.Te
     send = [parts[t].blocks[j] for j in range(world) for t in names]
     send_splits = [sum(parts[t].blocks[j].numel() for t in names) for j in range(world)]
     mine = [parts[t].blocks[rank].numel() for t in names]
-    got = comm.alltoall(torch.cat(send), send_splits, [sum(mine)] * world, name + ".shards")
+    # the collective's name carries every shard's size (the same on every rank): Horovod's response cache keys
+    # an all-to-all by name, and a cached entry of another layout under the same name delivered stale splits
+    layout = zlib.crc32(repr([(t, parts[t].plan.block_sizes()) for t in names]).encode())
+    got = comm.alltoall(torch.cat(send), send_splits, [sum(mine)] * world, f"{name}.shards.{layout:08x}")
     owned: Dict[str, List[torch.Tensor]] = {t: [] for t in names}
     offset = 0
     for _src in range(world):
