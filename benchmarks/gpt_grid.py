@@ -141,6 +141,10 @@ METHODS: Dict[str, tuple] = {
     # between the two: ADTopk 0.25 on the pseudo-gradient of 4 local steps, 2-bit values, SparseLoCo's outer step
     # (about 2% of dense's bytes: issue 28's "ADTopk within 2% of dense at <= 5% of its bytes" by local steps)
     sparseloco_name(4, "adtopk", "25", True, 2, 64): ("horovod", sparseloco(4, "adtopk", "25", True, 2, 64)),
+    # the recipe with every payload gathered (--outer-exchange allgather); the row above runs the default, auto,
+    # which from 3 ranks on shards the payloads among owners (horovod_adtopk.sharded)
+    sparseloco_name(4, "adtopk", "25", True, 2, 64) + "_allgather": (
+        "horovod", sparseloco(4, "adtopk", "25", True, 2, 64) + ["--outer-exchange", "allgather"]),
     # the same with global Top-k (its bit-packed indices address the whole tensor: about 3.6% of dense's bytes)
     sparseloco_name(4, "topk", "25", True, 2, 64): ("horovod", sparseloco(4, "topk", "25", True, 2, 64)),
 }
