@@ -104,6 +104,13 @@ class Communicator:
         handles = [self.allgather_async(t, n) for t, n in zip(tensors, names)]
         return [self.wait(h) for h in handles]
 
+    def alltoall_async(self, tensor: torch.Tensor, send_splits: Sequence[int], name: str):
+        """All-to-all of a 1-D tensor (``send_splits[j]`` elements to member ``j``); :meth:`wait` returns
+        ``(received, received_splits)``."""
+        self.collectives += 1
+        return hvd.alltoall_async(tensor, splits=torch.tensor(list(send_splits), dtype=torch.int32), name=name,
+                                  process_set=self.process_set)
+
     def alltoall(self, tensor: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
                  name: str) -> torch.Tensor:
         """Blocking all-to-all of a 1-D tensor: ``send_splits[j]`` elements go to member ``j``; returns what every

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from . import netcost
+from . import netcost, sharded
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
@@ -140,6 +140,43 @@ class SharedExchange(Exchange):
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 
+class ShardedExchange(Exchange):
+    """The owner-sharded two-stage exchange of one tensor (:mod:`horovod_adtopk.sharded`): stage 1 (the
+    all-to-all of this rank's shards) starts when the gradient is ready; :meth:`advance` waits for it, runs the
+    owner's step on this rank's shard (average, its own residual, ADTopk again, re-encode) and starts stage 2
+    (the allgather of the owners' blocks); :meth:`finish` decodes every owner's block into the gradient."""
+
+    def __init__(self, sender: "SparseSender", p, info: TensorInfo, plan, handle) -> None:
+        self.params, self.sender, self.info, self.plan, self.handle = (p,), sender, info, plan, handle
+        self.gather = None
+
+    def advance(self) -> None:
+        start = time.perf_counter()
+        sender, plan, name = self.sender, self.plan, self.info.name
+        comm = sender.comm
+        received, _ = comm.wait(self.handle)
+        world, rank = comm.size(), comm.rank()
+        mine = plan.block_sizes()[rank]
+        blocks = [received[r * mine:(r + 1) * mine] for r in range(world)]
+        block, sender.owner[name] = sharded.owner_step(plan, rank, blocks, sender.owner.get(name),
+                                                       sender.average_scale(), self.params[0].grad.dtype)
+        self.gather = comm.allgather_async(sharded.pad_block(plan, block),
+                                           sharded.collective_name(f"hat.owners.{name}", [plan]))
+        sender.timed(name, 0, time.perf_counter() - start)
+
+    def finish(self) -> None:
+        if self.gather is None:
+            self.advance()
+        start = time.perf_counter()
+        gathered = self.sender.comm.wait(self.gather)
+        grad = self.params[0].grad
+        dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
+                                                                         device=grad.device)
+        sharded.assemble(self.plan, gathered, dense.zero_())
+        _store(grad, dense)
+        self.sender.timed(self.info.name, 1, time.perf_counter() - start)
+
+
 class SparseSender:
     """Builds sparse exchanges: ``a = g + r`` -> selection -> wire -> collective -> ``r <- a - D(C(a))``.
 
@@ -156,6 +193,9 @@ class SparseSender:
         self.nonfinite: List[tuple] = self.sparsifier.nonfinite  # (name, 0-d bool: every sent value finite)
         self.profile = None  # a PartialSparsification while it profiles
         self.overlap = None  # a horovod_adtopk.overlap.Overlap: selection off the hook's thread
+        # the owner-sharded exchange: each sharded tensor's plan (horovod_adtopk.paths), this rank's owner residuals
+        self.shard_plans: dict = {}
+        self.owner: dict = {}
 
     def timed(self, name: str, which: int, seconds: float) -> None:
         """Account ``seconds`` of compression (``which=0``) or decompression (1) work on ``name``."""
@@ -191,6 +231,21 @@ class SparseSender:
         wire_dtype = c.wire_value_dtype(info.dtype)
         s = self.sparsifier.empty(info, step, p.device) if grad is None else self.sparsifier.select(grad, info, step)
         tag = f"hat.sparse.{info.name}"
+        plan = self.shard_plans.get(info.name)
+        layout = getattr(s.codec, "layout", None)
+        if plan is not None and layout is not None:
+            if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+                plan = sharded.plan_sparse(info.name, layout, None, None, self.comm.size(), wire_dtype,
+                                           s.codec.index_dtype)  # a density warm-up's k
+            if plan is not None:
+                blocks, _ = sharded.encode_sparse(plan, s.wire_values, s.wire_index)
+                handle = self.comm.alltoall_async(torch.cat(blocks), [b.numel() for b in blocks],
+                                                  sharded.collective_name(f"hat.shards.{info.name}", [plan]))
+                sizes = plan.block_sizes()
+                wire = sharded.wire(sizes, self.comm.rank(), self.comm.size())
+                exchange = ShardedExchange(self, p, info, plan, handle)
+                return exchange, (info.name, info.numel, s.values.numel(), sum(sizes), wire,
+                                  time.perf_counter() - start)
         if isinstance(s.codec, SharedCodec):
             # Summed in float32 at least: each rank's rounding to the wire dtype is fed back by the memory,
             # and a float16 sum over ranks can neither overflow nor round.

@@ -605,24 +605,10 @@ class LocalSteps:
         owner's residuals joined in fiber order (``owner_full``: a gathered checkpoint resumed at another world
         size, :func:`horovod_adtopk.state.fold`). Shards that do not fit this world's plan are dropped with a
         warning; without an entry the owners start empty."""
-        self.owner, self.owner_world = {}, self.comm.size()
         entry = entry or {}
-        full = entry.get("owner_full")
-        mine = entry.get("owner", {}) if full is None else {}
-        devices = {n: p.device for n, p in self.params}
-        dropped = []
-        for name, t in (full or mine).items():
-            plan = self.shard_plans.get(name)
-            if plan is None:
-                dropped.append(name)
-                continue
-            lo, hi = plan.bounds[self.comm.rank()]
-            want = (plan.fibers, plan.fiber_len) if full is not None else (hi - lo, plan.fiber_len)
-            if tuple(t.shape) != want:
-                dropped.append(name)
-                continue
-            t = t[lo:hi] if full is not None else t
-            self.owner[name] = t.detach().to(devices[name], copy=True).contiguous()
+        self.owner, dropped = sharded.restore(entry.get("owner"), entry.get("owner_full"), self.shard_plans,
+                                              self.comm.rank(), {n: p.device for n, p in self.params})
+        self.owner_world = self.comm.size()
         if dropped:
             warnings.warn(f"horovod_adtopk: the owners' residuals of {sorted(dropped)} do not fit this world's shards "
                           "and are dropped (the update they held is lost once)")

@@ -27,7 +27,7 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import advice, config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, state
+from . import advice, config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, sharded, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -53,7 +53,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-                 profile_rounds, warmup_steps, hierarchical=False, overlap=False):
+                 profile_rounds, warmup_steps, hierarchical=False, overlap=False, exchange="allgather"):
         super(self.__class__, self).__init__(params)
         named = _check_named_parameters(named_parameters, self.param_groups)
         self._compression = compression
@@ -69,6 +69,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._memory = ErrorFeedback(compression.momentum) if self._sparse and compression.error_feedback else None
         self._sender = (SparseSender(compression, self._memory, self._comm, self._stats, op, hvd.Sum, op == hvd.Average,
                                      *self._scales()) if self._sparse else None)
+        if self._sender is not None:
+            self._sender.exchange = exchange
+        self._exchange = exchange
         self._overlap = overlap_.attach(self._sender, overlap, hvd.local_size())
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
         self._hierarchical_setting = hierarchical if self._sparse else False
@@ -128,6 +131,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                    self._hier, self._world(), self._stats, self._sender)
 
     def _describe(self) -> dict:
+        return dict(self._describe_base(), exchange=self._exchange)
+
+    def _describe_base(self) -> dict:
         return config_check.describe(
             _describe_compression(self._compression), self.op, self.backward_passes_per_step,
             self.gradient_predivide_factor, self._groups if self._groups_given else None, self._parameter_names,
@@ -299,15 +305,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         """The wrapped optimizer's state plus this rank's compression state (key ``"horovod_adtopk"``)."""
         sd = super(self.__class__, self).state_dict()
-        sd[STATE_KEY] = self._wrap_state({self._comm.rank() if self._comm.included() else 0: state.local_entry(
-            self._memory, self._compression, self._sparse, self._hier)})
+        sd[STATE_KEY] = self._wrap_state({self._comm.rank() if self._comm.included() else 0: self._local_entry()})
         return sd
+
+    def _local_entry(self) -> dict:
+        entry = state.local_entry(self._memory, self._compression, self._sparse, self._hier)
+        if self._sender is not None and self._sender.owner:  # the owners' residuals of the sharded exchange
+            entry["owner"] = {n: t.detach().clone() for n, t in self._sender.owner.items()}
+        return entry
 
     def gather_state_dict(self):
         """Collective: like ``state_dict()`` but with every member rank's compression state, so that one
         file written by rank 0 restores every rank exactly. Call it on every rank."""
         sd = super(self.__class__, self).state_dict()
-        mine = state.local_entry(self._memory, self._compression, self._sparse, self._hier)
+        mine = self._local_entry()
         entries = self._comm.allgather_object(mine, "hat.gather_state") if self._world() > 1 else [mine]
         sd[STATE_KEY] = self._wrap_state(dict(enumerate(entries)))
         return sd
@@ -334,6 +345,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         devices = {n: p.device for p, n in self._parameter_names.items()}
         state.restore(entry, self._memory, self._compression if self._sparse else None, devices)
         hier.load_state(self._hier, entry.get("hierarchical"), devices)
+        if self._sender is not None:
+            self._sender.owner, dropped = sharded.restore(entry.get("owner"), entry.get("owner_full"),
+                                                          self._sender.shard_plans, self._comm.rank(), devices)
+            if dropped:
+                warnings.warn(f"horovod_adtopk: the owners' residuals of {sorted(dropped)} do not fit this world's "
+                              "shards and are dropped (the update they held is lost once)")
 
     # --- Horovod elastic (horovod_adtopk.elastic) ----------------------------------------------------------------
     def _elastic_snapshot(self) -> dict:
@@ -342,6 +359,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "memory": self._memory.state_dict() if self._memory is not None else None,
                 "compressor": elastic.deep(self._compression.state_dict()) if self._sparse else None,
                 "world": self._residual_world,
+                "owner": {n: t.clone() for n, t in self._sender.owner.items()} if self._sender is not None else {},
                 "partial": elastic.deep(self._partial.report) if self._partial is not None else None}
 
     def _elastic_restore(self, snap: dict) -> None:
@@ -356,6 +374,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._compression.load_state_dict(elastic.deep(snap["compressor"]))
         if self._partial is not None:
             self._partial.report = elastic.deep(snap["partial"])
+        if self._sender is not None:
+            self._sender.owner = {n: t.clone() for n, t in snap.get("owner", {}).items()}
         self._residual_world = snap["world"]
 
     def _elastic_sync(self) -> None:
@@ -387,6 +407,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._residual_world = world
         if self._hier is not None:
             self._hier.reset()
+        if self._sender is not None:
+            self._sender.owner = {}  # the shards moved with the world size: the owners' residuals are dropped
         self._config_checked = False
         self._plan_paths()
         self._description = self._describe()
@@ -404,6 +426,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sparse:
             self._compression.reset_state()
             self._sender.nonfinite.clear()
+            self._sender.owner = {}
         self._reset_round()
         self._config_checked = False
         self._residual_world = self._world()
@@ -538,7 +561,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=hvd.global_process_set, *, partial_sparsification: bool = False,
                          profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False, overlap=False,
-                         sync_every: Optional[int] = None, outer=None):
+                         sync_every: Optional[int] = None, outer=None, exchange: str = "allgather"):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     The arguments of ``hvd.DistributedOptimizer``, in Horovod's order and with its meaning (hooks,
@@ -588,13 +611,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         sync_every: local steps: steps between syncs (an int H >= 1). Default ``None``: every step communicates.
         outer: the outer optimizer of local steps (``hat.Outer``). Default ``None``: ``hat.Outer.nesterov(lr=0.7,
             momentum=0.9)`` when ``sync_every`` is given.
+        exchange: how the per-step sparse payloads of an ADTopk rule travel. ``"allgather"`` (default): every
+            rank's payload to every rank, ``(W-1) x P`` per rank. ``"sharded"``: the owner-sharded two-stage
+            exchange (:mod:`horovod_adtopk.sharded`): an all-to-all of fiber shards, each owner averages its shard,
+            adds its own residual, keeps k per fiber again and re-sends it, an allgather of the owners' blocks:
+            about ``2 (W-1)/W x P`` per rank whatever ``W`` is, at the price of a second selection (error feedback
+            on the owner). ``"auto"``: per tensor, whichever of allgather, sharded and allreduce the cost model
+            (:mod:`horovod_adtopk.netcost`) finds cheapest at this world size. With ``sync_every`` set it on
+            ``hat.Outer(exchange=...)`` instead (local steps default to ``"auto"``).
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
         opt = hat.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=hat.Compression.adtopk(ratio=0.01))
     """
+    sharded.check_exchange(exchange)
     if sync_every is not None or outer is not None:
+        if exchange != "allgather":
+            raise ValueError(f"exchange={exchange!r} is the per-step setting; with sync_every set it on the outer "
+                             f"optimizer: outer=hat.Outer.sgd(..., exchange={exchange!r})")
         return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set,
                                       partial_sparsification, warmup_steps, hierarchical, overlap, sync_every, outer)
@@ -619,7 +654,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticAware), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-               profile_rounds, warmup_steps, hierarchical, overlap)
+               profile_rounds, warmup_steps, hierarchical, overlap, exchange)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

@@ -213,10 +213,11 @@ def encode_dense(plan: Plan, a: torch.Tensor) -> Tuple[List[torch.Tensor], torch
     return blocks, torch.cat(carried)
 
 
-def _owner_step(plan: Plan, j: int, received: List[torch.Tensor], residual: Optional[torch.Tensor], world: int,
-                dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """On owner ``j``: every rank's block of shard ``j`` (rank order) averaged, compensated with the owner's
-    residual, re-selected and re-encoded. Returns (block', new residual ``[n, fiber_len]``)."""
+def owner_step(plan: Plan, j: int, received: List[torch.Tensor], residual: Optional[torch.Tensor], scale: float,
+               dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """On owner ``j``: every rank's block of shard ``j`` (rank order) summed times ``scale`` (the average's
+    ``1 / W``), compensated with the owner's residual, re-selected and re-encoded. Returns (block', new residual
+    ``[n, fiber_len]``)."""
     lo, hi = plan.bounds[j]
     n, L = hi - lo, plan.fiber_len
     acc = torch.zeros(n * L, dtype=dtype, device=received[0].device if received else None)
@@ -226,12 +227,12 @@ def _owner_step(plan: Plan, j: int, received: List[torch.Tensor], residual: Opti
             rows = torch.arange(n, device=acc.device, dtype=torch.int64).repeat_interleave(plan.k) * L
             for block in received:  # rank order: the same sum on every owner's run, whatever the device
                 (vals, idx), = w.decode(block, 1)
-                acc.index_add_(0, rows + idx, vals.to(dtype) * (1.0 / world))
+                acc.index_add_(0, rows + idx, vals.to(dtype) * scale)
         else:
             for block in received:
                 (vals, _), = w.decode(block, 1)
                 acc += vals.to(dtype)
-            acc.mul_(1.0 / world)
+            acc.mul_(scale)
     c = acc.view(n, L)
     if residual is not None:
         c = c + residual
@@ -263,10 +264,8 @@ def exchange(comm, parts: Dict[str, Contribution], residuals: Dict[str, torch.Te
     send = [parts[t].blocks[j] for j in range(world) for t in names]
     send_splits = [sum(parts[t].blocks[j].numel() for t in names) for j in range(world)]
     mine = [parts[t].blocks[rank].numel() for t in names]
-    # the collective's name carries every shard's size (the same on every rank): Horovod's response cache keys
-    # an all-to-all by name, and a cached entry of another layout under the same name delivered stale splits
-    layout = zlib.crc32(repr([(t, parts[t].plan.block_sizes()) for t in names]).encode())
-    got = comm.alltoall(torch.cat(send), send_splits, [sum(mine)] * world, f"{name}.shards.{layout:08x}")
+    got = comm.alltoall(torch.cat(send), send_splits, [sum(mine)] * world,
+                        collective_name(name + ".shards", [parts[t].plan for t in names]))
     owned: Dict[str, List[torch.Tensor]] = {t: [] for t in names}
     offset = 0
     for _src in range(world):
@@ -274,34 +273,69 @@ def exchange(comm, parts: Dict[str, Contribution], residuals: Dict[str, torch.Te
             owned[t].append(got[offset:offset + size])
             offset += size
     # the owner's step, then stage 2: one allgather per tensor of the owners' blocks, padded to the widest
-    padded, widths = [], []
+    padded = []
     for t in names:
         p = parts[t]
-        block, residuals[t] = _owner_step(p.plan, rank, owned[t], residuals.get(t), world, p.dtype)
-        width = max(p.plan.block_sizes())
-        out = torch.zeros(width, dtype=torch.uint8, device=block.device)
-        out[:block.numel()] = block
-        padded.append(out)
-        widths.append(width)
+        block, residuals[t] = owner_step(p.plan, rank, owned[t], residuals.get(t), 1.0 / world, p.dtype)
+        padded.append(pad_block(p.plan, block))
     gathered = comm.gather_tensors(padded, [f"{name}.owners.{t}" for t in names])
     updates, wires = {}, {}
-    for t, width, buf in zip(names, widths, gathered):
+    for t, buf in zip(names, gathered):
         p = parts[t]
-        plan = p.plan
-        flat = torch.zeros(p.numel, dtype=p.dtype, device=buf.device)
-        m = plan.matrix(flat)
-        sizes = plan.block_sizes()
-        for j, (lo, hi) in enumerate(plan.bounds):
-            if hi == lo:
-                continue
-            (vals, idx), = plan.wire(j).decode(buf[j * width:j * width + sizes[j]], 1)
-            if plan.indexed:
-                m[lo:hi].scatter_(1, idx.view(hi - lo, plan.k), vals.to(p.dtype).view(hi - lo, plan.k))
-            else:
-                m[lo:hi] = vals.to(p.dtype).view(hi - lo, plan.fiber_len)
-        updates[t] = flat
-        wires[t] = wire(sizes, rank, world)
+        updates[t] = assemble(p.plan, buf, torch.zeros(p.numel, dtype=p.dtype, device=buf.device))
+        wires[t] = wire(p.plan.block_sizes(), rank, world)
     return updates, wires
+
+
+def pad_block(plan: Plan, block: torch.Tensor) -> torch.Tensor:
+    """An owner's block padded to the widest shard's (every rank's allgather contribution has one size)."""
+    out = torch.zeros(max(plan.block_sizes()), dtype=torch.uint8, device=block.device)
+    out[:block.numel()] = block
+    return out
+
+
+def assemble(plan: Plan, gathered: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """Every owner's block (allgathered, padded, rank order) decoded into ``flat`` (1-D, zeros where no owner
+    kept an entry; its dtype)."""
+    m = plan.matrix(flat)
+    sizes = plan.block_sizes()
+    width = max(sizes)
+    for j, (lo, hi) in enumerate(plan.bounds):
+        if hi == lo:
+            continue
+        (vals, idx), = plan.wire(j).decode(gathered[j * width:j * width + sizes[j]], 1)
+        if plan.indexed:
+            m[lo:hi].scatter_(1, idx.view(hi - lo, plan.k), vals.to(flat.dtype).view(hi - lo, plan.k))
+        else:
+            m[lo:hi] = vals.to(flat.dtype).view(hi - lo, plan.fiber_len)
+    return flat
+
+
+def collective_name(prefix: str, plans) -> str:
+    """A name that carries every shard's size (the same on every rank): Horovod's response cache keys an
+    all-to-all by name, and a cached entry of another layout under the same name delivers stale splits."""
+    return f"{prefix}.{zlib.crc32(repr([p.block_sizes() for p in plans]).encode()):08x}"
+
+
+def restore(saved: Optional[dict], full: Optional[dict], plans: Dict[str, Plan], rank: int,
+            devices: Dict[str, torch.device]) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """The owners' residuals of this rank from a checkpoint: its own shards (``saved``, same world size), or its
+    range of every owner's residuals joined in fiber order (``full``: :func:`horovod_adtopk.state.fold`).
+    Returns them and the names dropped because they do not fit this world's plans."""
+    out, dropped = {}, []
+    for name, t in (full if full is not None else (saved or {})).items():
+        plan = plans.get(name)
+        if plan is None:
+            dropped.append(name)
+            continue
+        lo, hi = plan.bounds[rank]
+        want = (plan.fibers, plan.fiber_len) if full is not None else (hi - lo, plan.fiber_len)
+        if tuple(t.shape) != want:
+            dropped.append(name)
+            continue
+        t = t[lo:hi] if full is not None else t
+        out[name] = t.detach().to(devices[name], copy=True).contiguous()
+    return out, dropped
 
 
 def pick(plan: Optional[Plan], gather_bytes: Optional[int], dense_bytes: int, world: int,

@@ -1,6 +1,7 @@
 """The owner-sharded exchange's plan and cost (horovod_adtopk.sharded), checked against the block format and
 the per-rank bytes written out here by hand; its values are checked against the numpy model in
 tests/test_local_steps.py (SHARDED_CASES, at 2, 3 and 8 ranks on both engines)."""
+import numpy as np
 import pytest
 import torch
 
@@ -8,7 +9,6 @@ import horovod_adtopk as hat
 from horovod_adtopk import sharded
 from horovod_adtopk.compressors import TensorInfo
 
-pytestmark = pytest.mark.quick
 
 
 def recipe_plan(world):
@@ -19,6 +19,7 @@ def recipe_plan(world):
     return sharded.plan_sparse("w", layout, 2, 64, world, torch.float32, torch.int16)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world", [2, 3, 8, 64, 1024])
 def test_recipe_bytes_per_rank_do_not_grow_with_world(world):
     # 3072 row fibers of 1024 keep 256 each: one set of 2 bfloat16 levels (4 B), 256 2-bit codes (64 B) and 256
@@ -42,6 +43,7 @@ def test_recipe_bytes_per_rank_do_not_grow_with_world(world):
         assert (world - 1) * payload > dense and dense / busiest > 10
 
 
+@pytest.mark.quick
 def test_latency_moves_the_break_even():
     """With a latency per message the two stages' 2 (W-1) messages cost more: a small tensor stays gathered."""
     c = hat.Compression.adtopk(ratio=0.25)
@@ -53,6 +55,7 @@ def test_latency_moves_the_break_even():
     assert sharded.pick(plan, payload, 4 * 64 * 64, 8, slow)[0] == "allgather"
 
 
+@pytest.mark.quick
 def test_too_few_groups_cannot_be_sharded():
     c = hat.Compression.adtopk(ratio=0.25, axis=1)
     info = TensorInfo("w", (1, 64), 64, torch.float32)
@@ -62,6 +65,7 @@ def test_too_few_groups_cannot_be_sharded():
     assert [hi - lo for lo, hi in plan.bounds] == [0, 2, 2, 2] and plan.block_sizes()[0] == 0
 
 
+@pytest.mark.quick
 def test_settings():
     with pytest.raises(ValueError, match="exchange must be one of"):
         hat.Outer.sgd(1.0, exchange="ring")
@@ -72,3 +76,100 @@ def test_settings():
         check_settings(4, hat.Outer.sgd(1.0, exchange="sharded"), None)  # dense fp32: an allreduce already
     check_settings(4, hat.Outer.sgd(1.0, value_bits=2, exchange="sharded"), None)
     check_settings(4, hat.Outer.sgd(1.0, exchange="sharded"), hat.Compression.adtopk(ratio=0.25))
+
+
+# --- the per-step exchange on real Horovod ranks, against a numpy model ------------------------------------------
+
+IN, OUT, BATCH, LR = 24, 16, 8, 0.1
+STEP_CASES = [
+    {"name": "rows", "ratio": 0.25, "axis": 1, "steps": 6},
+    {"name": "columns_warmup", "ratio": 0.25, "axis": 0, "steps": 6, "warmup": 1},
+    {"name": "auto_choice", "ratio": 0.25, "axis": 1, "steps": 2, "exchange": "auto"},
+]
+
+
+def numpy_steps(case, world):
+    """Per-step SGD with the owner-sharded exchange, from the issue's equations: each rank a = g + r, keeps
+    ADTopk's k per fiber (sent), r = a - sent; avg = mean of sent; the owners: c = avg + e_own, ADTopk again on c
+    (out), e_own = c - out; the weight steps by out, the bias (1-D, dense) by the mean gradient. Sharding among
+    owners cuts whole fibers, so it changes no value: the model keeps e_own whole."""
+    import torch  # only for the model's initial parameters (the workers' linear_model)
+    from tests import reference as ref
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(IN, OUT).double()
+    w, b = lin.weight.detach().numpy().copy(), lin.bias.detach().numpy().copy()
+    resid, owner = [np.zeros_like(w) for _ in range(world)], np.zeros_like(w)
+    grad_sum = np.zeros_like(w)
+    for step in range(case["steps"]):
+        sent, bias = [], []
+        for r in range(world):
+            rs = np.random.RandomState(1000 * r + step + 1)
+            x, y = rs.standard_normal((BATCH, IN)), rs.standard_normal((BATCH, OUT))
+            res = (x @ w.T + b - y) / BATCH
+            gw, gb = res.T @ x, res.sum(0)
+            grad_sum += gw
+            bias.append(gb)
+            if step < case.get("warmup", 0):  # dense round: g + r sent whole, the residual released
+                sent.append(gw + resid[r])
+                resid[r] = np.zeros_like(w)
+                continue
+            a = gw + resid[r]
+            kept = np.where(ref.adtopk_mask(a, case["ratio"], case["axis"]), a, 0.0)
+            resid[r] = a - kept
+            sent.append(kept)
+        avg = sum(sent) / world
+        if step >= case.get("warmup", 0):
+            c = avg + owner
+            avg = np.where(ref.adtopk_mask(c, case["ratio"], case["axis"]), c, 0.0)
+            owner = c - avg
+        w, b = w - LR * avg, b - LR * sum(bias) / world
+    return w, b, resid, owner, grad_sum
+
+
+@pytest.fixture(scope="module")
+def step_ranks():
+    from tests.harness import run_ranks
+    return {world: run_ranks("sharded_workers:steps", np=world, args={"cases": STEP_CASES}, timeout=300)
+            for world in (3, 8)}
+
+
+@pytest.mark.parametrize("world", [3, 8])
+def test_per_step_sharded_matches_numpy(step_ranks, world):
+    ranks = step_ranks[world]
+    for ci, case in enumerate(STEP_CASES):
+        res = [r["cases"][ci] for r in ranks]
+        if case.get("exchange") == "auto":  # by the cost model: 6 row fibers' payloads move fewer bytes sharded
+            assert all(r["paths"]["weight"] == "sharded" and r["paths"]["bias"] == "dense" for r in res), res[0]["paths"]
+            continue
+        w, b, resid, owner, grad_sum = numpy_steps(case, world)
+        for r, got in enumerate(res):
+            assert got["digest"] == res[0]["digest"], f"{case['name']}: rank {r} differs"
+            np.testing.assert_allclose(np.array(got["final"]["weight"]), w, rtol=1e-9, atol=1e-12, err_msg=case["name"])
+            np.testing.assert_allclose(np.array(got["final"]["bias"]), b, rtol=1e-9, atol=1e-12, err_msg=case["name"])
+            np.testing.assert_allclose(np.array(got["residuals"]["weight"]), resid[r], rtol=1e-9, atol=1e-12)
+            assert got["paths"]["weight"] == "sharded"
+        # the owners' residuals, joined in fiber order, are the model's; each rank holds its own fibers only
+        fibers = owner if case["axis"] == 1 else owner.T
+        joined = np.concatenate([np.array(got["owner"]["weight"]).reshape(-1, fibers.shape[1]) for got in res])
+        np.testing.assert_allclose(joined, fibers, rtol=1e-9, atol=1e-12, err_msg=f"{case['name']}: owners")
+        # the error-feedback invariant with the owners' memory, on the engine's own state: the ranks' gradients
+        # add up to what was applied (W (w0 - w_T) / lr) plus every rank's residual plus W times the owners'
+        w0 = numpy_steps(dict(case, steps=0), world)[0]
+        applied = world * (w0 - np.array(res[0]["final"]["weight"])) / LR
+        held = sum(np.array(got["residuals"]["weight"]) for got in res) + world * (joined if case["axis"] == 1 else joined.T)
+        np.testing.assert_allclose(applied + held, grad_sum, rtol=1e-8, atol=1e-9, err_msg=f"{case['name']}: EF")
+        # wire bytes of the weight per step, from the block format: float64 values and int16 indices of k per
+        # fiber, owner j taking fibers [F j // W, F (j+1) // W); stage 1 the other shards out and (W-1) of its
+        # own in, stage 2 (W-1) of the widest block each way
+        fibers_n, L = (OUT, IN) if case["axis"] == 1 else (IN, OUT)
+        k = int(np.floor(case["ratio"] * L))
+        pad = lambda n: -(-n // 8) * 8  # noqa: E731
+        blocks = [pad(8 * k * n) + pad(2 * k * n) for n in
+                  (fibers_n * (j + 1) // world - fibers_n * j // world for j in range(world))]
+        sparse_steps = case["steps"] - case.get("warmup", 0)
+        dense = round(2 * (world - 1) / world * 8 * IN * OUT) * case.get("warmup", 0)
+        for r, got in enumerate(res):
+            sent = sum(x for j, x in enumerate(blocks) if j != r) + (world - 1) * max(blocks)
+            received = (world - 1) * blocks[r] + (world - 1) * max(blocks)
+            assert got["wire"]["weight"] == [dense + sparse_steps * sent, dense + sparse_steps * received], (case, r)
+    assert all(r["resumed"] == r["straight"] for r in ranks), "a gathered checkpoint did not resume bitwise"

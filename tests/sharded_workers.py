@@ -1,0 +1,74 @@
+"""Rank workers of tests/test_sharded.py: the per-step owner-sharded exchange of ``hat.DistributedOptimizer``
+(Horovod). The model and data are those of tests/local_steps_workers.py (float64 least squares), whose
+gradients the numpy model in the test recomputes."""
+from __future__ import annotations
+
+import io
+
+import torch
+
+import horovod_adtopk as hat
+from tests.local_steps_workers import batch, digest, least_squares, linear_model
+
+LR = 0.1
+
+
+def _opt(model, case):
+    import horovod.torch as hvd
+    c = hat.Compression.adtopk(ratio=case["ratio"], axis=case["axis"], min_numel=0, hybrid=False)
+    return hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters(),
+                                    compression=c, op=hvd.Average, exchange=case.get("exchange", "sharded"),
+                                    warmup_steps=case.get("warmup", 0))
+
+
+def _run(model, opt, rank, first, last, comm=None, log=None):
+    for step in range(first, last):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        least_squares(model, x, y).backward()
+        before = comm.collectives if comm is not None else 0
+        opt.step()
+        if log is not None:
+            log.append(comm.collectives - before)
+
+
+def steps(args, outdir):
+    """Every case: train ``steps`` steps; the final parameters, residuals, owner residuals, wire bytes; then a
+    gathered checkpoint written mid-run restores every rank bitwise."""
+    import horovod.torch as hvd
+    out = []
+    for case in args["cases"]:
+        model = linear_model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = _opt(model, case)
+        collectives = []
+        _run(model, opt, hvd.rank(), 0, case["steps"], opt._comm, collectives)
+        entry = next(iter(opt.state_dict()["horovod_adtopk"]["ranks"].values()))
+        st = opt.stats()
+        out.append({"initial_seed": 0, "final": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
+                    "residuals": {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()},
+                    "owner": {n: t.numpy().tolist() for n, t in entry.get("owner", {}).items()},
+                    "paths": {n: t["path"] for n, t in st["tensors"].items()},
+                    "wire": {n: [t["wire_bytes_sent"], t["wire_bytes_received"]] for n, t in st["tensors"].items()},
+                    "digest": digest(model), "collectives": collectives})
+    # resume: stop after 3 steps, one gathered checkpoint restores every rank, continue to 8: bitwise
+    case = args["cases"][0]
+    model = linear_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = _opt(model, case)
+    _run(model, opt, hvd.rank(), 0, 8)
+    straight = digest(model)
+    model = linear_model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = _opt(model, case)
+    _run(model, opt, hvd.rank(), 0, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.gather_state_dict()}, buf)
+    saved = hvd.broadcast_object(buf.getvalue() if hvd.rank() == 0 else None, root_rank=0, name="ckpt")
+    ckpt = torch.load(io.BytesIO(saved), weights_only=True)
+    model = linear_model()
+    opt = _opt(model, case)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    _run(model, opt, hvd.rank(), 3, 8)
+    return {"cases": out, "straight": straight, "resumed": digest(model)}
