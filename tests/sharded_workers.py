@@ -72,3 +72,52 @@ def steps(args, outdir):
     opt.load_state_dict(ckpt["opt"])
     _run(model, opt, hvd.rank(), 3, 8)
     return {"cases": out, "straight": straight, "resumed": digest(model)}
+
+
+def ddp_steps(args, outdir):
+    """The same cases through the DDP hook (hat.ddp.register(..., exchange=...)), then a gathered state resumed
+    at the same world size: bitwise."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+
+    def build(case):
+        model = linear_model()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        c = hat.Compression.adtopk(ratio=case["ratio"], axis=case["axis"], min_numel=0, hybrid=False)
+        st = hat.ddp.register(ddp, compression=c, warmup_steps=case.get("warmup", 0),
+                              exchange=case.get("exchange", "sharded"))
+        return model, ddp, st, torch.optim.SGD(model.parameters(), lr=LR)
+
+    def run(model, ddp, opt, first, last):
+        for step in range(first, last):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            least_squares(ddp, x, y).backward()
+            opt.step()
+
+    out = []
+    for case in args["cases"]:
+        model, ddp, st, opt = build(case)
+        run(model, ddp, opt, 0, case["steps"])
+        entry = next(iter(st.state_dict()["ranks"].values()))
+        stats = st.stats()
+        out.append({"final": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
+                    "residuals": {n: t.numpy().tolist() for n, t in entry["memory"].get("residuals", {}).items()},
+                    "owner": {n: t.numpy().tolist() for n, t in entry.get("owner", {}).items()},
+                    "paths": {n: t["path"] for n, t in stats["tensors"].items()},
+                    "wire": {n: [t["wire_bytes_sent"], t["wire_bytes_received"]] for n, t in stats["tensors"].items()},
+                    "digest": digest(model)})
+    case = args["cases"][0]
+    model, ddp, st, opt = build(case)
+    run(model, ddp, opt, 0, 8)
+    straight = digest(model)
+    model, ddp, st, opt = build(case)
+    run(model, ddp, opt, 0, 3)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict(),
+             "hat": st.gather_state_dict()}
+    model, ddp, st, opt = build(case)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    st.load_state_dict(saved["hat"])
+    run(model, ddp, opt, 3, 8)
+    return {"cases": out, "straight": straight, "resumed": digest(model)}

@@ -126,16 +126,40 @@ def numpy_steps(case, world):
     return w, b, resid, owner, grad_sum
 
 
-@pytest.fixture(scope="module")
-def step_ranks():
-    from tests.harness import run_ranks
-    return {world: run_ranks("sharded_workers:steps", np=world, args={"cases": STEP_CASES}, timeout=300)
-            for world in (3, 8)}
+_RUNS: dict = {}
 
 
-@pytest.mark.parametrize("world", [3, 8])
-def test_per_step_sharded_matches_numpy(step_ranks, world):
-    ranks = step_ranks[world]
+def run_ddp(worker: str, np_: int, args: dict, timeout: float) -> list:
+    """``np_`` torch.distributed (Gloo) ranks of ``tests.<worker>``; the whole tree killed past ``timeout``."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+    from tests.harness import RanksFailed, run_command
+    with tempfile.TemporaryDirectory(prefix="hat-sharded-ddp-") as outdir:
+        Path(outdir, "args.json").write_text(json.dumps(args))
+        rc, log, _ = run_command([sys.executable, "-m", "tests._ddp_launch", str(np_), worker,
+                                  str(Path(outdir, "args.json")), outdir], timeout=timeout)
+        if rc != 0:
+            raise RanksFailed(f"{worker} on {np_} DDP ranks: exit {rc} (None: timed out and killed)\n{log[-20000:]}")
+        return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(np_)]
+
+
+def step_ranks(engine: str, world: int) -> list:
+    """Horovod ranks under horovodrun, or DDP (Gloo) ranks under tests._ddp_launch; one job per engine and W."""
+    key = (engine, world)
+    if key not in _RUNS:
+        if engine == "horovod":
+            from tests.harness import run_ranks
+            _RUNS[key] = run_ranks("sharded_workers:steps", np=world, args={"cases": STEP_CASES}, timeout=300)
+        else:
+            _RUNS[key] = run_ddp("sharded_workers:ddp_steps", world, {"cases": STEP_CASES}, timeout=300)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("engine,world", [("horovod", 3), ("horovod", 8), ("ddp", 3)])
+def test_per_step_sharded_matches_numpy(engine, world):
+    ranks = step_ranks(engine, world)
     for ci, case in enumerate(STEP_CASES):
         res = [r["cases"][ci] for r in ranks]
         if case.get("exchange") == "auto":  # by the cost model: 6 row fibers' payloads move fewer bytes sharded

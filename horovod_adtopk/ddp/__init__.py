@@ -65,14 +65,16 @@ def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Futu
     return fut
 
 
-def register(model: torch.nn.Module, compression=None, process_group=None, warmup_steps: int = 0) -> CompressionState:
+def register(model: torch.nn.Module, compression=None, process_group=None, warmup_steps: int = 0,
+             exchange: str = "allgather") -> CompressionState:
     """Build a :class:`CompressionState` named after ``model``'s parameters and register :func:`hook` on the
-    ``DistributedDataParallel`` ``model``; returns the state (for ``state_dict()`` and ``stats()``)."""
+    ``DistributedDataParallel`` ``model``; returns the state (for ``state_dict()`` and ``stats()``).
+    ``exchange``: ``"allgather"``, ``"sharded"`` or ``"auto"`` (:class:`CompressionState`)."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() takes the DistributedDataParallel model, got {type(model).__name__}; wrap it "
                         "first: model = torch.nn.parallel.DistributedDataParallel(model)")
     state = CompressionState(process_group=process_group, compression=compression, warmup_steps=warmup_steps,
-                             named_parameters=model.module.named_parameters())
+                             named_parameters=model.module.named_parameters(), exchange=exchange)
     model.register_comm_hook(state, hook)
     # Adam-family optimizer + per-step sparse compression with error feedback: one warning on rank 0, at the first
     # step of the optimizer that holds the model's parameters (this engine never sees the optimizer itself)

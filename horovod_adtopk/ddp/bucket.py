@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 import torch
 
-from .. import netcost
+from .. import netcost, sharded
 from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import aggregate_blocks, dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, pack, payload_bytes
@@ -59,6 +59,7 @@ class BucketExchange:
         self.dense: List[Tuple[torch.Tensor, str]] = []  # (view, name)
         self.shared: List[Tuple[torch.Tensor, TensorInfo, object]] = []  # (view, info, selection)
         self.sparse: List[Tuple[torch.Tensor, TensorInfo, object]] = []  # (view, info, selection)
+        self.sharded: List[Tuple[torch.Tensor, TensorInfo, object, object]] = []  # (view, info, selection, plan)
         self.futures: List[torch.futures.Future] = []
 
     def launch(self) -> torch.futures.Future:
@@ -72,6 +73,7 @@ class BucketExchange:
         self._launch_dense()
         self._launch_shared()
         self._launch_sparse()
+        self._launch_sharded()
         self.state.stats_.compress_seconds += time.perf_counter() - start
         if not self.futures:
             return _done(buffer)
@@ -106,6 +108,14 @@ class BucketExchange:
         if state.sends_sparse(name):
             sparsifier = state.sparsifier
             s = sparsifier.select(view, info, self.step) if has_grad else sparsifier.empty(info, self.step, view.device)
+            plan, layout = state.shard_plans.get(name), getattr(s.codec, "layout", None)
+            if plan is not None and layout is not None:
+                if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+                    plan = sharded.plan_sparse(name, layout, None, None, self.world, self._wire_dtype(info),
+                                               s.codec.index_dtype)  # a density warm-up's k
+                if plan is not None:
+                    self.sharded.append((view, info, s, plan))
+                    return
             (self.shared if isinstance(s.codec, SharedCodec) else self.sparse).append((view, info, s))
             return
         if not has_grad:
@@ -166,6 +176,48 @@ class BucketExchange:
         self.gathered = torch.empty(self.world * self.row_bytes, dtype=torch.uint8, device=local.device)
         self.futures.append(self.comm.gather_async(self.gathered, local))
 
+    def _launch_sharded(self) -> None:
+        """The owner-sharded exchange of the bucket's sharded tensors (:mod:`horovod_adtopk.sharded`): one
+        all-to-all of every tensor's shards, waited for here (the owner's step needs it, and every collective is
+        issued from this thread), the owner's step, then one asynchronous allgather of the owners' blocks."""
+        if not self.sharded:
+            return
+        rank = self.comm.rank()
+        blocks = [sharded.encode_sparse(plan, s.wire_values, s.wire_index)[0] for _, _, s, plan in self.sharded]
+        send = torch.cat([b[j] for j in range(self.world) for b in blocks])
+        splits = [sum(b[j].numel() for b in blocks) for j in range(self.world)]
+        mine = [b[rank].numel() for b in blocks]
+        got = self.comm.alltoall(send, splits, [sum(mine)] * self.world, "hat.ddp.shards")
+        owned = [[] for _ in self.sharded]
+        offset = 0
+        for _src in range(self.world):
+            for i, size in enumerate(mine):
+                owned[i].append(got[offset:offset + size])
+                offset += size
+        padded = []
+        for i, (view, info, s, plan) in enumerate(self.sharded):
+            block, self.state.owner[info.name] = sharded.owner_step(plan, rank, owned[i], self.state.owner.get(info.name),
+                                                                    1.0 / self.world, view.dtype)
+            padded.append(sharded.pad_block(plan, block))
+            sizes = plan.block_sizes()
+            self.state.stats_.record(info.name, info.numel, s.values.numel(), sum(sizes),
+                                     wire=sharded.wire(sizes, rank, self.world), world=self.world)
+        local = torch.cat(padded)
+        self.owner_widths = [p.numel() for p in padded]
+        self.owners = torch.empty(self.world * local.numel(), dtype=torch.uint8, device=local.device)
+        self.futures.append(self.comm.gather_async(self.owners, local))
+
+    def _finish_sharded(self) -> None:
+        if not self.sharded:
+            return
+        rows = self.owners.view(self.world, -1)
+        offset = 0
+        for (view, info, s, plan), width in zip(self.sharded, self.owner_widths):
+            out = _flat_out(view)
+            sharded.assemble(plan, rows[:, offset:offset + width].reshape(-1), out.zero_())
+            _store(view, out)
+            offset += width
+
     def _wire_dtype(self, info: TensorInfo) -> torch.dtype:
         return self.state.compression.wire_value_dtype(info.dtype)
 
@@ -189,6 +241,7 @@ class BucketExchange:
         self._finish_dense()
         self._finish_shared()
         self._finish_sparse()
+        self._finish_sharded()
         self.state.stats_.decompress_seconds += time.perf_counter() - start
         return self.bucket.buffer()
 

@@ -13,11 +13,12 @@ the same on every rank and in every run of the same model (what a resumed run ne
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import config_check
+from .. import config_check, paths, sharded
 from .. import state as layout
 from ..compressors import SparseCompressor, TensorInfo, is_sparse
 from ..memory import ErrorFeedback
@@ -64,10 +65,15 @@ class CompressionState:
         exchange_when_alone: with one process, run the whole exchange anyway (compression, error feedback,
             the collectives over a group of one) instead of passing gradients through untouched; for checking
             a backend end to end on a single device (``scripts/gpu_check.sh`` does, over NCCL).
+        exchange: how an ADTopk rule's sparse payloads travel: ``"allgather"`` (default; ``(W-1) x P`` per
+            rank), ``"sharded"`` (the owner-sharded two-stage exchange, :mod:`horovod_adtopk.sharded`: about
+            ``2 (W-1)/W x P`` per rank at any ``W``, with a second selection and error feedback on the owner; its
+            all-to-all runs in the hook, blocking, its allgather asynchronously) or ``"auto"`` (per tensor, the
+            cheapest of allgather, sharded and allreduce by the cost model at this world size).
     """
 
     def __init__(self, process_group=None, compression=None, warmup_steps: int = 0, named_parameters=None,
-                 exchange_when_alone: bool = False) -> None:
+                 exchange_when_alone: bool = False, exchange: str = "allgather") -> None:
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
         self.process_group = process_group
@@ -76,6 +82,9 @@ class CompressionState:
         if not isinstance(exchange_when_alone, bool):
             raise TypeError(f"exchange_when_alone must be True or False, got {exchange_when_alone!r}")
         self.exchange_when_alone = exchange_when_alone
+        self.exchange = sharded.check_exchange(exchange)
+        self.owner: Dict[str, torch.Tensor] = {}  # this rank's owner residuals (the sharded exchange)
+        self._owner_pending: Optional[Tuple[Optional[dict], Optional[dict]]] = None  # loaded, placed when planned
         self.round = 0  # communication rounds completed: drives the warm-ups, ADTopk-I, Random-k's seeds
         sparse = is_sparse(self.compression)
         self.dense_compression = None if sparse else self.compression
@@ -94,6 +103,7 @@ class CompressionState:
         self._sparse_path: Dict[str, bool] = {}
         self._devices: Dict[str, torch.device] = {}
         self._config_checked = False
+        self.shard_plans: Dict[str, sharded.Plan] = {}
 
     # --- parameters -------------------------------------------------------------------------------------------
     def bind(self, named_parameters) -> None:
@@ -131,9 +141,28 @@ class CompressionState:
             sparse, reason = False, "dense compressor"
         else:
             sparse, reason = self.compression.choose_path(info, self.comm().size())
+        path = None
+        if self.sparsifier is not None and self.exchange != "allgather":
+            why = paths.shard(info, sparse, self.compression, self.comm().size(), self)
+            if why is not None:
+                sparse, reason, path = True, why, "sharded"
+                self._restore_owner(info.name)
         self._sparse_path[info.name] = sparse
-        self.stats_.set_path(info.name, info.numel, sparse, reason,
+        self.stats_.set_path(info.name, info.numel, sparse, reason, path,
                              selection=self.compression.selection_summary(info) if sparse else None)
+
+    def _restore_owner(self, name: str) -> None:
+        """A loaded checkpoint's owner residual of ``name``, once its plan exists (plans are made on first sight)."""
+        if self._owner_pending is None:
+            return
+        saved, full = self._owner_pending
+        one = lambda d: {name: d[name]} if d is not None and name in d else None  # noqa: E731
+        got, dropped = sharded.restore(one(saved), one(full), {name: self.shard_plans[name]}, self.comm().rank(),
+                                       {name: self._devices.get(name, torch.device("cpu"))})
+        self.owner.update(got)
+        if dropped:
+            warnings.warn(f"horovod_adtopk.ddp: the owner residual of {name!r} does not fit this world's shards "
+                          "and is dropped (the update it held is lost once)")
 
     def on_sparse_path(self, name: str) -> bool:
         return self._sparse_path.get(name, False)
@@ -166,7 +195,7 @@ class CompressionState:
             n: [list(i.shape), str(i.dtype)] for n, i in self._infos.items()}
         config_check.check(self.comm(), {"engine": "ddp", "compression": describe_compression(self.compression),
                                          "warmup_steps": self.warmup_steps, "process_set": self.comm().size(),
-                                         "params": params})
+                                         "params": params, "exchange": self.exchange})
 
     def end_round(self) -> None:
         """After the last bucket of an iteration: scrub non-finite memory, count the round."""
@@ -177,7 +206,10 @@ class CompressionState:
 
     # --- checkpoints, pickling, counters ------------------------------------------------------------------------
     def _entry(self) -> dict:
-        return layout.local_entry(self.memory, self.compression, self.sparsifier is not None)
+        entry = layout.local_entry(self.memory, self.compression, self.sparsifier is not None)
+        if self.owner:
+            entry["owner"] = {n: t.detach().clone() for n, t in self.owner.items()}
+        return entry
 
     def state_dict(self) -> dict:
         """This rank's round counter, residuals and adaptive compressor state (all tensors, numbers and
@@ -209,6 +241,10 @@ class CompressionState:
             self.compression.load_state_dict(entry["compressor"] if entry is not None else {})
             if entry is None:
                 self.compression.reset_state()
+        self.owner = {}
+        self._owner_pending = (entry or {}).get("owner"), (entry or {}).get("owner_full")
+        for name in list(self.shard_plans):
+            self._restore_owner(name)
 
     def stats(self) -> dict:
         """Cumulative counters of this rank (bytes sent vs dense, density, per-tensor path, seconds)."""
@@ -221,7 +257,7 @@ class CompressionState:
         """Everything but the process group and the per-process parameter map (as PowerSGD's state)."""
         return {k: v for k, v in self.__dict__.items()
                 if k not in ("process_group", "_comm", "_names", "_infos", "_sparse_path", "_devices",
-                             "_config_checked")}
+                             "_config_checked", "shard_plans")}
 
     def __setstate__(self, state: dict) -> None:
         """The process group becomes the default group; re-``bind`` names if the state had them."""
