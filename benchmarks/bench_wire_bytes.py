@@ -47,6 +47,7 @@ Configurations (``--configs``; each the job's own flags, ``CONFIGS`` below):
 ``powersgd``       ``--compressor powersgd --powersgd-rank 4``
 ``recipe``         the README's AdamW transformer recipe: ADTopk 0.25 on the pseudo-gradient of 4 local steps,
                    ``Outer.sgd(lr=1.0, feedback_decay=0.95, value_bits=2, value_group=64)``
+``adtopk_sharded``  ``adtopk`` with ``--exchange sharded``: the per-step owner-sharded exchange
 ``recipe_allgather``  the recipe with ``--outer-exchange allgather`` (every payload gathered, as before the
                    owner-sharded exchange; ``recipe`` runs the default ``auto``, which shards from 3 ranks on)
 ``adtopk_update_allgather``  ``adtopk_update`` with its payloads gathered (``adtopk_update``: ``auto``)
@@ -90,6 +91,7 @@ CONFIGS: Dict[str, Optional[List[str]]] = {
     "fp16": ["--compressor", "fp16"],
     "adtopk": ["--compressor", "adtopk", "--ratio", "0.01", *PER_STEP_SPARSE],
     "adtopk_update": ["--compressor", "adtopk", "--ratio", "0.01", "--no-warmup"],
+    "adtopk_sharded": ["--compressor", "adtopk", "--ratio", "0.01", *PER_STEP_SPARSE, "--exchange", "sharded"],
     "topk": ["--compressor", "topk", "--ratio", "0.01", *PER_STEP_SPARSE],
     "powersgd": ["--compressor", "powersgd", "--powersgd-rank", "4"],
     "recipe": ["--compressor", "adtopk", "--ratio", "0.25", "--sync-every", "4", "--outer-lr", "1",

@@ -165,7 +165,8 @@ class DDPEngine:
             model.register_comm_hook(state, psgd.powerSGD_hook)
             opt.step_bytes, opt.dense_steps = powersgd_step_bytes(model, args.powersgd_rank), state.start_powerSGD_iter
         elif not hat.Compression.is_dense_name(args.compressor) or args.compressor == "fp16":
-            opt.hook_state = hat.ddp.register(model, compression, warmup_steps=args.dense_rounds or 0)
+            opt.hook_state = hat.ddp.register(model, compression, warmup_steps=args.dense_rounds or 0,
+                                              exchange=getattr(args, "exchange", "allgather"))
         return opt
 
     def broadcast_initial_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

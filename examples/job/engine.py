@@ -69,9 +69,11 @@ class HorovodEngine:
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
                                        overlap={"off": False, "on": True}.get(args.overlap, args.overlap),
-                                       **make_local_steps(args))
+                                       **make_local_steps(args),
+                                       **({} if getattr(args, "sync_every", 0) else
+                                          {"exchange": getattr(args, "exchange", "allgather")}))
         if correct:
-            actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] == "sparse"}
+            actual = {n for n, t in opt.stats()["tensors"].items() if t["path"] in ("sparse", "sharded")}
             if actual != sparse:
                 raise RuntimeError(f"sparse-path parameters disagree: expected {sorted(sparse)}, got {sorted(actual)}")
         return opt

@@ -43,6 +43,10 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("off", "on", "auto"), default="off",
                    help="--engine horovod: run selection on a worker thread while the backward pass goes on "
                         "(hat.DistributedOptimizer overlap=; auto: where the rank has a spare core)")
+    p.add_argument("--exchange", choices=("allgather", "sharded", "auto"), default="allgather",
+                   help="per-step sparse payloads (ADTopk rules): allgather them (W-1 payloads per rank), shard "
+                        "them among owner ranks (all-to-all, the owner re-selects, allgather: about 2 payloads per "
+                        "rank at any world size) or let the cost model pick per tensor; local steps: --outer-exchange")
     p.add_argument("--error-feedback-on", choices=("gradient", "update"), default=None,
                    help="sparse per-step compression: error feedback on the gradient before the optimizer (the "
                         "per-step path), or on the optimizer's update (each rank steps on its own gradient, the "

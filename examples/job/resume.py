@@ -25,10 +25,10 @@ RESUME_KEYS = ("dataset", "model", "compressor", "ratio", "value_dtype", "thresh
                "density_warmup", "density_start", "powersgd_rank", "optimizer", "betas", "bf16", "gpt_dim",
                "gpt_layers", "gpt_heads", "tie_weights", "sync_every", "outer_lr", "outer_momentum",
                "outer_feedback_decay", "outer_value_bits", "outer_value_group", "error_feedback_on", "min_fiber_len",
-               "fiber_join", "outer_exchange")
+               "fiber_join", "outer_exchange", "exchange")
 # What a checkpoint written before a setting existed ran with.
 RESUME_DEFAULTS = {"outer_feedback_decay": 1.0, "outer_value_bits": None, "outer_value_group": None,
-                   "min_fiber_len": None, "fiber_join": None, "outer_exchange": "auto"}
+                   "min_fiber_len": None, "fiber_join": None, "outer_exchange": "auto", "exchange": "allgather"}
 
 
 def save_checkpoint(job: Job, progress: Progress, extra: Optional[dict] = None) -> None:
