@@ -121,3 +121,41 @@ def ddp_steps(args, outdir):
     st.load_state_dict(saved["hat"])
     run(model, ddp, opt, 3, 8)
     return {"cases": out, "straight": straight, "resumed": digest(model)}
+
+
+def join_and_mismatch(args, outdir):
+    """Rank 2 runs out of data after 2 steps and calls hvd.join(): the others' later rounds travel dense over
+    the active members (per-step and local steps, both sharded), nothing hangs. Then ranks that disagree on
+    the exchange all raise at the first step."""
+    import horovod.torch as hvd
+    rank, out = hvd.rank(), {}
+    for kind in ("per_step", "local_steps"):
+        model = linear_model()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        c = hat.Compression.adtopk(ratio=0.25, axis=1, min_numel=0, hybrid=False)
+        base = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = (hat.DistributedOptimizer(base, model.named_parameters(), compression=c, exchange="sharded")
+               if kind == "per_step" else
+               hat.DistributedOptimizer(base, model.named_parameters(), compression=c, sync_every=2,
+                                        outer=hat.Outer.sgd(1.0, exchange="sharded")))
+        steps = 2 if rank == 2 else 6
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            least_squares(model, x, y).backward()
+            opt.step()
+        hvd.join()
+        st = opt.stats()
+        out[kind] = {"paths": {n: t["path"] for n, t in st["tensors"].items()}, "digest": digest(model)}
+    model = linear_model()
+    c = hat.Compression.adtopk(ratio=0.25, axis=1, min_numel=0, hybrid=False)
+    opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(),
+                                   compression=c, exchange="sharded" if rank == 0 else "allgather")
+    try:
+        x, y = batch(rank, 0)
+        least_squares(model, x, y).backward()
+        opt.step()
+        out["mismatch"] = None
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    return out

@@ -197,3 +197,16 @@ def test_per_step_sharded_matches_numpy(engine, world):
             received = (world - 1) * blocks[r] + (world - 1) * max(blocks)
             assert got["wire"]["weight"] == [dense + sparse_steps * sent, dense + sparse_steps * received], (case, r)
     assert all(r["resumed"] == r["straight"] for r in ranks), "a gathered checkpoint did not resume bitwise"
+
+
+def test_join_and_disagreeing_ranks():
+    """hvd.join(): the rounds after a member joined travel dense over the active members, per step and in local
+    steps, both sharded, and nothing hangs (the harness kills a hung job). Ranks that disagree on the exchange
+    all raise a clear error at the first step."""
+    from tests.harness import run_ranks
+    ranks = run_ranks("sharded_workers:join_and_mismatch", np=3, timeout=300)
+    for r in ranks:
+        assert r["per_step"]["paths"]["weight"] == "sharded" and r["local_steps"]["paths"]["weight"] == "sharded"
+        assert r["mismatch"] is not None and "disagree" in r["mismatch"], r["mismatch"]
+    assert ranks[0]["per_step"]["digest"] == ranks[1]["per_step"]["digest"]  # the members still training agree
+    assert ranks[0]["local_steps"]["digest"] == ranks[1]["local_steps"]["digest"]
