@@ -337,47 +337,36 @@ def adamw_recipe(shapes, world, local, link, ratio=0.25, bits=2, value_group=64,
 exchange("diloco", "dense DiLoCo every 4 steps")(lambda shapes, world, local, link: dense(shapes, world, local, link).every(4))
 
 
-def two_stage(payload: float, numel: int, world: int, local: int) -> Cost:
-    """A W-independent compressed reduction of a tensor with a ``payload``-byte per-rank code: dense reduce-scatter
-    and allgather inside the host (NVLink); between hosts, per local rank on its 1/L slice, an all-to-all of
-    chunks to their owners and an allgather of the owners' results: ``2 (H-1)/H P`` per NIC. One host: both
-    stages over the W ranks, ``2 (W-1)/W P`` per rank."""
-    hosts = world // local
-    if hosts <= 1:
-        share = round(2 * (world - 1) / world * payload)
-        return Cost(netcost.Wire(share, share), 0, 0, 2 * (world - 1))
-    share = round(2 * (hosts - 1) / hosts * payload / local)
-    return Cost(netcost.Wire(share, share), 2 * (hosts - 1) / hosts * payload, 2 * (local - 1) / local * 4 * numel,
-                2 * (hosts - 1) + 2 * (local - 1))
-
-
 exchange("adamw_recipe_allgather", "the recipe with exchange=\"allgather\" (every payload gathered)", "diloco")(
     functools.partial(adamw_recipe, shard=False))
 
 
-@exchange("lowbit_twostage", "NOT BUILT YET: 2-bit codes of every entry, all-to-all + allgather, every 4 steps", "diloco")
+@exchange("lowbit_twostage", "2-bit codes of every entry, owner-sharded, every 4 steps (local steps, value_bits=2)",
+          "diloco")
 def lowbit_twostage(shapes, world, local, link, bits=2, value_group=64, interval=4):
     """Every pseudo-gradient entry as a b-bit code (``QuantizedWire.dense``); owners decode, sum and re-quantize
-    their chunk: ``~2 D bits/32`` per rank, where an allgather of the codes moves ``(W-1) D bits/32``."""
-    c = Cost(notes=["not built yet"])
+    their rows (``horovod_adtopk.sharded``, flat over all ranks): ``~2 D bits/32`` per rank, where an allgather
+    of the codes moves ``(W-1) D bits/32``."""
+    c = Cost()
     for _, shape in shapes:
-        part = two_stage(lowbit_dense(shape, bits, value_group), math.prod(shape), world, local)
+        part = flat_sharded(lowbit_dense(shape, bits, value_group), world, local)
         c.merge(replace(part, steps=0, elements=2 * math.prod(shape), entries=math.prod(shape)))
         c.steps = max(c.steps, part.steps)
     return c.every(interval)
 
 
-@exchange("sparse_rs", "NOT BUILT YET: ADTopk 0.01 sparse reduce-scatter, re-selection on the owner")
+@exchange("sparse_rs", "ADTopk 0.01 every step, owner-sharded (exchange=\"sharded\", flat over all ranks)")
 def sparse_rs(shapes, world, local, link, ratio=0.01):
     """Each rank's ADTopk payload split among owners by whole fibers (k per fiber: equal chunks); an owner sums
-    its chunks, keeps k per fiber again and allgathers: ``2 (W-1)/W P`` per rank instead of ``(W-1) P``."""
-    c, reduced = Cost(notes=["not built yet"]), 0
+    its chunks, keeps k per fiber again and allgathers (``horovod_adtopk.sharded``): ``2 (W-1)/W P`` per rank
+    instead of ``(W-1) P``."""
+    c, reduced = Cost(), 0
     for _, shape in shapes:
         sp, numel = sparse_spec(shape, "adtopk", ratio), math.prod(shape)
         if sp is None or sp.wire >= 4 * numel:
             reduced += 4 * numel
             continue
-        part = two_stage(sp.wire, numel, world, local)
+        part = flat_sharded(sp.wire, world, local)
         c.merge(replace(part, steps=0, elements=numel * (1 + 1 / world), entries=2 * sp.count))
         c.steps = max(c.steps, part.steps)
     return c.ring(netcost.ALLREDUCE, reduced, world, local)
