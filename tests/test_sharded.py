@@ -85,6 +85,8 @@ STEP_CASES = [
     {"name": "rows", "ratio": 0.25, "axis": 1, "steps": 6},
     {"name": "columns_warmup", "ratio": 0.25, "axis": 0, "steps": 6, "warmup": 1},
     {"name": "auto_choice", "ratio": 0.25, "axis": 1, "steps": 2, "exchange": "auto"},
+    # the plain allgather path through the same model and checks (no owners): every rank's payload summed
+    {"name": "rows_allgather", "ratio": 0.25, "axis": 1, "steps": 4, "exchange": "allgather"},
 ]
 
 
@@ -118,7 +120,7 @@ def numpy_steps(case, world):
             resid[r] = a - kept
             sent.append(kept)
         avg = sum(sent) / world
-        if step >= case.get("warmup", 0):
+        if step >= case.get("warmup", 0) and case.get("exchange", "sharded") == "sharded":
             c = avg + owner
             avg = np.where(ref.adtopk_mask(c, case["ratio"], case["axis"]), c, 0.0)
             owner = c - avg
@@ -157,7 +159,7 @@ def step_ranks(engine: str, world: int) -> list:
     return _RUNS[key]
 
 
-@pytest.mark.parametrize("engine,world", [("horovod", 3), ("horovod", 8), ("ddp", 3)])
+@pytest.mark.parametrize("engine,world", [("horovod", 3), ("horovod", 8), ("ddp", 3), ("ddp", 8)])
 def test_per_step_sharded_matches_numpy(engine, world):
     ranks = step_ranks(engine, world)
     for ci, case in enumerate(STEP_CASES):
@@ -171,7 +173,15 @@ def test_per_step_sharded_matches_numpy(engine, world):
             np.testing.assert_allclose(np.array(got["final"]["weight"]), w, rtol=1e-9, atol=1e-12, err_msg=case["name"])
             np.testing.assert_allclose(np.array(got["final"]["bias"]), b, rtol=1e-9, atol=1e-12, err_msg=case["name"])
             np.testing.assert_allclose(np.array(got["residuals"]["weight"]), resid[r], rtol=1e-9, atol=1e-12)
-            assert got["paths"]["weight"] == "sharded"
+            assert got["paths"]["weight"] == ("sparse" if case.get("exchange") == "allgather" else "sharded")
+        fibers_n, L = (OUT, IN) if case["axis"] == 1 else (IN, OUT)
+        k = int(np.floor(case["ratio"] * L))
+        pad = lambda n: -(-n // 8) * 8  # noqa: E731
+        if case.get("exchange") == "allgather":  # (W-1) payloads of float64 values and int16 indices each way
+            payload = pad(8 * k * fibers_n) + pad(2 * k * fibers_n)
+            assert all(got["owner"] == {} for got in res)
+            assert all(got["wire"]["weight"] == [case["steps"] * (world - 1) * payload] * 2 for got in res)
+            continue
         # the owners' residuals, joined in fiber order, are the model's; each rank holds its own fibers only
         fibers = owner if case["axis"] == 1 else owner.T
         joined = np.concatenate([np.array(got["owner"]["weight"]).reshape(-1, fibers.shape[1]) for got in res])
@@ -185,9 +195,6 @@ def test_per_step_sharded_matches_numpy(engine, world):
         # wire bytes of the weight per step, from the block format: float64 values and int16 indices of k per
         # fiber, owner j taking fibers [F j // W, F (j+1) // W); stage 1 the other shards out and (W-1) of its
         # own in, stage 2 (W-1) of the widest block each way
-        fibers_n, L = (OUT, IN) if case["axis"] == 1 else (IN, OUT)
-        k = int(np.floor(case["ratio"] * L))
-        pad = lambda n: -(-n // 8) * 8  # noqa: E731
         blocks = [pad(8 * k * n) + pad(2 * k * n) for n in
                   (fibers_n * (j + 1) // world - fibers_n * j // world for j in range(world))]
         sparse_steps = case["steps"] - case.get("warmup", 0)
