@@ -25,8 +25,13 @@ divided by ``W``): the invariant ``sum of applied updates + sum_j o_j = sum of t
 holds exactly, so nothing is lost by the second compression. ``feedback_decay`` applies to the ranks' own
 residuals only; the owners' are lossless.
 
-Nothing here imports Horovod or ``torch.distributed``: the engines hand :func:`exchange` a communicator with
-``size()``, ``rank()``, ``alltoall(tensor, send_splits, recv_splits, name)`` and ``gather_tensors``.
+Nothing here imports Horovod or ``torch.distributed``. Local steps hand :func:`exchange` a communicator with
+``size()``, ``rank()``, ``alltoall(tensor, send_splits, recv_splits, name)`` and ``gather_tensors`` (one
+all-to-all for every sharded tensor of a sync). The per-step engines run the stages with their own
+asynchronous collectives around :func:`encode_sparse`, :func:`owner_step`, :func:`pad_block` and
+:func:`assemble`: :class:`horovod_adtopk.exchange.ShardedExchange` (Horovod: one all-to-all per tensor from its
+gradient hook, the owner's step and the allgather in ``advance()``) and the DDP bucket (one all-to-all per
+bucket, waited for in the hook, one asynchronous allgather).
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from . import netcost
 from .quantize import QuantizedWire, fibers_per_group
 from .wire import dtype_bytes, pack, unpack_blocks
 
-#: accepted values of ``Outer(exchange=...)``
+#: accepted values of ``Outer(exchange=...)``, ``DistributedOptimizer(exchange=...)`` and
+#: ``hat.ddp.CompressionState(exchange=...)``
 EXCHANGES = ("auto", "allgather", "sharded")
 
 
