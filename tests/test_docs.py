@@ -140,7 +140,7 @@ def test_the_checks_catch_what_they_look_for():
     assert BAD[0][0].search("as issue 55 says") and BAD[0][0].search("see #57")
     assert not BAD[0][0].search("#3  abort ()")
     assert BAD[1][0].search("### 1f. On a GPU (2026-12-04)") and not BAD[1][0].search("a run on 2026-12-04")
-    assert BAD[2][0].search("cd /work/main") and not BAD[2][0].search("~/.cache/x")
+    assert BAD[2][0].search("cd /home/someone/project") and not BAD[2][0].search("~/.cache/x")
     assert MARK.match("<!-- not run: needs a GPU; covered by tests/test_x.py::test_y -->")
 
 

@@ -57,7 +57,7 @@ def test_page_holds_no_machine_path_issue_number_or_dated_heading(page):
 @pytest.mark.quick
 def test_the_checks_catch_what_they_look_for():
     """The patterns above must fire on the things they forbid (and not on the report's own anchors)."""
-    assert MACHINE_PATH.search("see /work/main/docs") and MACHINE_PATH.search("wrote /tmp/x.json")
+    assert MACHINE_PATH.search("see /home/someone/project/docs") and MACHINE_PATH.search("wrote /tmp/x.json")
     assert not MACHINE_PATH.search("docs/convergence/long/runs/x.json")
     assert ISSUE.search("as issue 56 asks") and ISSUE.search("fixed in #57") and ISSUE.search("Issue 28's target")
     assert not ISSUE.search("[Clean exit](#clean-exit)")
