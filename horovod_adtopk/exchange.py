@@ -234,7 +234,7 @@ class SparseSender:
         plan = self.shard_plans.get(info.name)
         layout = getattr(s.codec, "layout", None)
         if plan is not None and layout is not None:
-            if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+            if not plan.fits(layout):
                 plan = sharded.plan_sparse(info.name, layout, None, None, self.comm.size(), wire_dtype,
                                            s.codec.index_dtype)  # a density warm-up's k
             if plan is not None:

@@ -476,7 +476,7 @@ class LocalSteps:
             plan = None
             if name in self.shard_plans and layout is not None:
                 plan = self.shard_plans[name]
-                if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+                if not plan.fits(layout):
                     plan = self._shard_plan(self.infos[name], world, layout)  # a density warm-up's k
             if plan is None:
                 rest.append((name, s))

@@ -101,6 +101,10 @@ class Plan:
     def fiber_len(self) -> int:
         return self.cols if self.axis == 1 else self.rows
 
+    def fits(self, layout) -> bool:
+        """Whether this plan was made for ``layout`` (a density warm-up's ``k`` needs another plan)."""
+        return (self.rows, self.cols, self.axis, self.k) == (layout.rows, layout.cols, layout.axis, layout.k)
+
     def wire(self, j: int):
         """The block format of shard ``j``."""
         lo, hi = self.bounds[j]

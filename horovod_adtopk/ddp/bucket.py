@@ -110,7 +110,7 @@ class BucketExchange:
             s = sparsifier.select(view, info, self.step) if has_grad else sparsifier.empty(info, self.step, view.device)
             plan, layout = state.shard_plans.get(name), getattr(s.codec, "layout", None)
             if plan is not None and layout is not None:
-                if (plan.rows, plan.cols, plan.axis, plan.k) != (layout.rows, layout.cols, layout.axis, layout.k):
+                if not plan.fits(layout):
                     plan = sharded.plan_sparse(name, layout, None, None, self.world, self._wire_dtype(info),
                                                s.codec.index_dtype)  # a density warm-up's k
                 if plan is not None:
