@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from . import netcost, sharded
+from . import lowrank, netcost, sharded
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
@@ -209,8 +209,8 @@ class SparseSender:
 
     def send(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int) -> Exchange:
         c = self.compression
-        if hasattr(c, "make_exchange"):  # rules with their own collectives (PowerSGD)
-            return c.make_exchange(self, p, grad, info, step)
+        if lowrank.runs_own_rounds(c):  # two dependent collective rounds (PowerSGD)
+            return lowrank.start(self, p, grad, info, step)
         if self.overlap is not None and self.overlap.applies(grad):
             # Built by the worker thread; the counters are written on this thread when it is waited for.
             return self.overlap.submit(lambda: self._build(p, grad, info, step), (p,), self._account)

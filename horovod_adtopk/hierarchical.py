@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import netcost
+from . import lowrank, netcost
 from .communicator import Communicator, dynamic_process_sets, host_layout, process_sets
 from .compressors import ADTopkCompressor, SparseCompressor, TensorInfo
 from .exchange import UPCAST, Exchange, SparseSender, _store
@@ -258,7 +258,7 @@ class HierarchicalExchange(Exchange):
 # --- the exchange kind ----------------------------------------------------------------------------------------
 
 def _unsupported(compression: SparseCompressor, elastic: bool) -> Optional[str]:
-    if hasattr(compression, "make_exchange"):
+    if lowrank.runs_own_rounds(compression):
         return f"{compression.name} runs its own collectives (not a sparse payload)"
     if compression.momentum is not None:
         return "momentum correction keeps a per-rank velocity of the whole gradient"

@@ -70,7 +70,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import elastic, netcost, sharded, state as layout
+from . import elastic, lowrank, netcost, sharded, state as layout
 from .compressors import FlatCodec, TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .quantize import QuantizedWire, check_value_bits, check_value_group
@@ -184,7 +184,7 @@ def check_settings(sync_every, outer, compression) -> None:
                          f"low-bit one, and {compression!r} has neither; use adtopk / adtopk_i, value_bits with "
                          "Compression.none, or exchange=\"auto\"")
     if is_sparse(compression):
-        if hasattr(compression, "make_exchange") or not compression.gathers:
+        if lowrank.runs_own_rounds(compression) or not compression.gathers:
             raise ValueError(f"{compression!r} cannot compress the pseudo-gradient (it needs its own collective "
                              "rounds or shared positions); with sync_every use adtopk, adtopk_i, topk, fp16 or none")
         if compression.variable_count:

@@ -187,6 +187,9 @@ class SparseCompressor(Compressor):
     summary = ""
     #: payloads travel by allgather (False: values are summed by allreduce, as for Random-k)
     gathers = True
+    #: how the engines exchange this rule's output: "payload" (one selection per tensor and round, packed by
+    #: horovod_adtopk.wire) or "lowrank" (two dependent collective rounds, horovod_adtopk.lowrank)
+    exchange_kind = "payload"
     #: the number of entries varies per rank and step (a count travels alongside)
     variable_count = False
     #: whether 1-D tensors may be sparse (fiber rules need 2 dims; all rules follow the paper and keep

@@ -15,19 +15,18 @@ Error feedback is exact per rank: what rank ``i`` contributed (``P Q_i^T``) plus
 it had to send. PyTorch's DDP hook (``powerSGD_hook``) computes the error against the averaged
 approximation instead; here the invariant ``sent + residual == sum of gradients`` holds as for the sparse
 rules. Two collectives per tensor; the first overlaps the backward pass, the second runs in
-``synchronize()`` (all tensors' second rounds are launched before any is waited for).
+``synchronize()`` (all tensors' second rounds are launched before any is waited for). The compressor holds
+the arithmetic and the warm-start state; :mod:`horovod_adtopk.lowrank` runs the collectives.
 
 Tensors with one dimension, fewer than ``min_numel`` entries, or a compression rate
 ``n m / ((n + m) r)`` below ``min_compression_rate`` travel dense.
 """
 from __future__ import annotations
 
-import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
-from .. import netcost
 from .base import SparseCompressor, TensorInfo, _check_bool, _check_int, register, stable_seed
 
 _EPS = 1e-8
@@ -61,6 +60,7 @@ class PowerSGDCompressor(SparseCompressor):
     summary = ("PowerSGD: rank-`r` approximation `P Q^T` by one power iteration, warm-started, error feedback; "
                "two allreduces of `P` and `Q`")
     gathers = False
+    exchange_kind = "lowrank"
 
     def __init__(self, rank: int = 1, warm_start: bool = True, error_feedback: bool = True,
                  min_compression_rate: float = 2.0, min_numel: int = 1024, seed: int = 0,
@@ -124,60 +124,15 @@ class PowerSGDCompressor(SparseCompressor):
         _, m = self._matrix(info)
         return torch.randn(m, self._rank_for(info), generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
 
-    def make_exchange(self, sender, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int):
-        """Phase one (in the hook): ``P_i = M_i Q`` and its allreduce; returns the in-flight exchange."""
-        start = time.perf_counter()
-        memory = sender.memory
-        n, m = self._matrix(info)
-        if grad is None:  # no gradient on this rank: contribute nothing, keep the memory
-            matrix = torch.zeros(n, m, dtype=info.dtype, device=p.device)
-            keep_error = False
-        else:
-            a = memory.compensate(info.name, grad) if memory is not None else grad.detach().contiguous()
-            matrix = a.view(n, m)
-            keep_error = memory is not None
+    # --- the rule's arithmetic; its two collective rounds are horovod_adtopk.lowrank's ---------------------
+
+    def start_q(self, info: TensorInfo, step: int, device, dtype) -> torch.Tensor:
+        """The ``Q`` [m, r] this round starts from: the previous round's averaged ``Q`` (warm start), else a
+        seeded random one; identical on every rank."""
         q = self._q.get(info.name) if self.warm_start else None
-        q = self._initial_q(info, step, matrix.device, matrix.dtype) if q is None else q.to(matrix.device)
-        p_local = matrix @ q
-        handle = sender.comm.allreduce_async_(p_local, f"hat.psgd.p.{info.name}", sender.sum_op, 1.0, 1.0)
-        world, size = sender.comm.size(), p_local.element_size()
-        # two allreduces: P (n x rank) now, Q (m x rank) in advance()
-        sender.stats.record(info.name, info.numel, (n + m) * q.shape[1], (n + m) * q.shape[1] * size,
-                            wire=netcost.allreduce(n * q.shape[1] * size, world)
-                            + netcost.allreduce(m * q.shape[1] * size, world), world=world)
-        sender.timed(info.name, 0, time.perf_counter() - start)
-        return LowRankExchange(self, sender, p, info, matrix, handle, keep_error)
+        return self._initial_q(info, step, device, dtype) if q is None else q.to(device)
 
-
-class LowRankExchange:
-    """Both PowerSGD rounds of one tensor (the ``Exchange`` protocol: ``advance`` then ``finish``)."""
-
-    def __init__(self, compressor: PowerSGDCompressor, sender, p, info: TensorInfo, matrix: torch.Tensor, handle,
-                 keep_error: bool) -> None:
-        self.compressor, self.sender, self.params, self.info = compressor, sender, (p,), info
-        self.matrix, self.handle, self.keep_error = matrix, handle, keep_error
-        self.p_matrix: Optional[torch.Tensor] = None
-
-    def advance(self) -> None:
-        start = time.perf_counter()
-        sender = self.sender
-        p_matrix = orthogonalize(sender.comm.wait(self.handle))
-        q_local = self.matrix.t() @ p_matrix
-        if self.keep_error:  # e_i = M_i - P Q_i^T, written into the memory tensor M_i itself
-            self.matrix.sub_(p_matrix @ q_local.t())
-            sender.nonfinite.append((self.info.name, torch.isfinite(q_local).all()))
-        self.p_matrix = p_matrix
-        self.handle = sender.comm.allreduce_async_(q_local, f"hat.psgd.q.{self.info.name}", sender.op,
-                                                   sender.prescale, sender.postscale)
-        sender.timed(self.info.name, 0, time.perf_counter() - start)
-
-    def finish(self) -> None:
-        start = time.perf_counter()
-        q = self.sender.comm.wait(self.handle)
-        grad = self.params[0].grad
-        update = self.p_matrix @ q.t()
-        grad.copy_(update.view(grad.shape) if grad.is_contiguous() else update.reshape(grad.shape))
-        if self.compressor.warm_start:
-            self.compressor._q[self.info.name] = q
-        self.sender.timed(self.info.name, 1, time.perf_counter() - start)
-
+    def end_round(self, info: TensorInfo, q: torch.Tensor) -> None:
+        """Keep the averaged ``Q`` of this round for the next one (warm start)."""
+        if self.warm_start:
+            self._q[info.name] = q

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import config_check, paths, sharded
+from .. import config_check, lowrank, paths, sharded
 from .. import state as layout
 from ..compressors import SparseCompressor, TensorInfo, is_sparse
 from ..memory import ErrorFeedback
@@ -32,7 +32,7 @@ def _check_compression(compression):
     if isinstance(compression, type) and issubclass(compression, SparseCompressor):
         raise TypeError(f"pass a configured compressor, e.g. compression=hat.Compression.{compression.name}(ratio=0.01)")
     if is_sparse(compression):
-        if hasattr(compression, "make_exchange"):
+        if lowrank.runs_own_rounds(compression):
             raise TypeError(f"{compression!r} runs two dependent collective rounds per tensor, which a DDP hook "
                             "cannot issue in a fixed order across ranks; under DDP use PyTorch's own PowerSGD hook "
                             "(torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook)")
