@@ -128,9 +128,18 @@ class Communicator:
                                f"{sum(recv_splits)}: ranks disagree on the shards")
         return out
 
+    def active_members_async(self, name: str):
+        """Start counting the members that have not called ``hvd.join()`` (joined members add zeros to an
+        allreduce); :meth:`wait` returns a one-element tensor."""
+        return self.allreduce_async_(torch.ones(1), name, hvd.Sum)
+
     def active_members(self, name: str) -> int:
-        """How many members have not called ``hvd.join()`` (joined members add zeros to an allreduce)."""
-        return int(self.wait(self.allreduce_async_(torch.ones(1), name, hvd.Sum)).item())
+        """How many members have not called ``hvd.join()``."""
+        return int(self.wait(self.active_members_async(name)).item())
+
+    def broadcast_object(self, obj: Any, name: str, root_rank: int = 0) -> Any:
+        """Rank ``root_rank``'s ``obj`` on every member (Horovod's ``broadcast_object`` on this process set)."""
+        return hvd.broadcast_object(obj, root_rank=root_rank, name=name, process_set=self.process_set)
 
     def allgather_object(self, obj: Any, name: str) -> List[Any]:
         """Every member's ``obj`` (plain data only: pickled with the standard library), in rank order."""
@@ -144,6 +153,21 @@ class Communicator:
             out.append(pickle.loads(gathered[offset:offset + n]))
             offset += n
         return out
+
+
+def world_size() -> int:
+    """Horovod's global world size (``hvd.size()``)."""
+    return hvd.size()
+
+
+def global_rank() -> int:
+    """This process's rank in Horovod's global set (``hvd.rank()``)."""
+    return hvd.rank()
+
+
+def local_size() -> int:
+    """Ranks on this host (``hvd.local_size()``)."""
+    return hvd.local_size()
 
 
 def host_layout() -> Tuple[int, int, int, int]:

@@ -83,10 +83,8 @@ def deep(obj):
 
 
 def broadcast(obj, comm, name: str):
-    """Rank 0's ``obj`` on every member of ``comm`` (a Horovod collective)."""
-    import horovod.torch as hvd
-
-    return hvd.broadcast_object(obj, root_rank=0, name=name, process_set=comm.process_set)
+    """Rank 0's ``obj`` on every member of ``comm`` (a Horovod collective, through the communicator)."""
+    return comm.broadcast_object(obj, name)
 
 
 def rescale(memory, old_world: Optional[int], new_world: int) -> float:
@@ -102,3 +100,41 @@ def rescale(memory, old_world: Optional[int], new_world: int) -> float:
 def world_changed(seen: Optional[int], now: int) -> bool:
     """The world size the residuals are scaled for differs from the current one (a change without sync)."""
     return seen is not None and seen != now
+
+
+class Membership:
+    """One optimizer's elastic bookkeeping, the same for both optimizer classes (per step and local steps):
+    the world size its residuals are scaled for, and the record ``stats()["elastic"]`` reports
+    (``membership_changes``, ``syncs``, ``world_sizes``, ``residual_scale``).
+
+    Args:
+        world: the world size at construction.
+        enabled: a Horovod elastic job (``HOROVOD_ELASTIC=1``): a world size that changed without ``sync()``
+            (hosts only removed) is noticed at the next exchange (:meth:`changed_without_sync`).
+    """
+
+    def __init__(self, world: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.world = world  # what the residuals are scaled for
+        self.record = {"membership_changes": 0, "syncs": 0, "world_sizes": [world], "residual_scale": []}
+
+    def changed_without_sync(self, now: int) -> bool:
+        """An elastic job whose world size differs from the residuals' (Horovod skipped ``sync()``)."""
+        return self.enabled and world_changed(self.world, now)
+
+    def synced(self) -> bool:
+        """Count a ``sync()``; whether it follows a membership change (the first one starts the job)."""
+        self.record["syncs"] += 1
+        return self.record["syncs"] > 1
+
+    def moved_to(self, now: int, memory, force: bool = True) -> None:
+        """The world is now ``now`` ranks: record the change (if ``force`` or the size differs) and rescale
+        ``memory``'s residuals by ``now / world`` (module docstring, point 2)."""
+        if force or now != self.world:
+            self.record["membership_changes"] += 1
+            self.record["world_sizes"].append(now)
+            self.record["residual_scale"].append(rescale(memory, self.world, now))
+        self.world = now
+
+    def report(self) -> dict:
+        return deep(self.record)

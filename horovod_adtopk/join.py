@@ -11,8 +11,6 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional
 
-import torch
-import horovod.torch as hvd
 
 
 class JoinQuery:
@@ -27,7 +25,7 @@ class JoinQuery:
         """Start the query if needed; its answer, or None while it is in flight and ``wait`` is False."""
         if self.joined is None:
             if self._handle is None:
-                self._handle = self.comm.allreduce_async_(torch.ones(1), "hat.active", hvd.Sum)
+                self._handle = self.comm.active_members_async("hat.active")
             if not wait and not self.comm.poll(self._handle):
                 return None
             active = int(self.comm.wait(self._handle).item())

@@ -694,13 +694,11 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         self._local, self._check_config_fn, self._world_fn = local, check_config, world
         self._description, self._config_checked = description, False
         # Horovod elastic (horovod_adtopk.elastic): the world size the residuals are scaled for.
-        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1" and description.get("engine") == "horovod"
-        self._residual_world = local.comm.size()
-        self._membership = {"membership_changes": 0, "syncs": 0, "world_sizes": [self._residual_world],
-                            "residual_scale": []}
+        self._members = elastic.Membership(local.comm.size(), os.environ.get("HOROVOD_ELASTIC") == "1"
+                                           and description.get("engine") == "horovod")
 
     def _check_config(self) -> None:
-        if self._elastic and elastic.world_changed(self._residual_world, self._local.comm.size()):
+        if self._members.changed_without_sync(self._local.comm.size()):
             self._new_world()  # hosts removed: Horovod skipped sync(); every survivor sees the same change
         if not self._config_checked:
             self._config_checked = True
@@ -802,7 +800,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         return {"inner": elastic.deep(super(self.__class__, self).state_dict()), "shared": local.shared_state(),
                 "memory": local.memory.state_dict() if local.memory is not None else None,
                 "compressor": elastic.deep(local.compression.state_dict()) if local.sparse else None,
-                "owner": {n: t.clone() for n, t in local.owner.items()}, "world": self._residual_world}
+                "owner": {n: t.clone() for n, t in local.owner.items()}, "world": self._members.world}
 
     def _elastic_restore(self, snap: dict) -> None:
         """After a failed collective: back to the last commit (the model's handler restores the parameters)."""
@@ -814,7 +812,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         if local.sparse:
             local.compression.load_state_dict(elastic.deep(snap["compressor"]))
         local.owner = {n: t.clone() for n, t in snap.get("owner", {}).items()}
-        self._residual_world = snap["world"]
+        self._members.world = snap["world"]
 
     def _elastic_sync(self) -> None:
         """After a membership change (collective): rank 0's inner optimizer state, outer parameters, outer
@@ -826,16 +824,11 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         if local.comm.rank() != 0:
             super(self.__class__, self).load_state_dict(inner)
             local.load_shared(shared)
-        self._membership["syncs"] += 1
-        self._new_world(force=self._membership["syncs"] > 1)
+        self._new_world(force=self._members.synced())
 
     def _new_world(self, force: bool = True) -> None:
         world = self._local.comm.size()
-        if force or world != self._residual_world:
-            self._membership["membership_changes"] += 1
-            self._membership["world_sizes"].append(world)
-            self._membership["residual_scale"].append(elastic.rescale(self._local.memory, self._residual_world, world))
-        self._residual_world = world
+        self._members.moved_to(world, self._local.memory, force)
         self._local.plan()
         self._config_checked = False
         self._description = dict(self._description, process_set=world)
@@ -853,7 +846,7 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         local = self._local
         out = local.stats.as_dict()
         out.update(compressor=self._description["compression"], world_size=local.comm.size(), round=local.syncs,
-                   local_steps=local.report(), elastic=elastic.deep(self._membership),
+                   local_steps=local.report(), elastic=self._members.report(),
                    memory={"residual_norm": local.memory.norm() if local.memory is not None else 0.0,
                            "tensors": len(local.memory.residuals) if local.memory is not None else 0})
         return out

@@ -27,7 +27,8 @@ import horovod.torch as hvd
 import horovod.torch.optimizer as _horovod_optimizer
 from horovod.torch.compression import Compressor, NoneCompressor
 
-from . import advice, config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths, sharded, state
+from . import advice, communicator, config_check, elastic, hierarchical as hier, netcost, overlap as overlap_, paths
+from . import sharded, state
 from .communicator import Communicator
 from .compressors import SparseCompressor, TensorInfo, is_sparse
 from .exchange import DenseExchange, Exchange, GroupExchange, SparseGradExchange, SparseSender
@@ -72,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sender is not None:
             self._sender.exchange = exchange
         self._exchange = exchange
-        self._overlap = overlap_.attach(self._sender, overlap, hvd.local_size())
+        self._overlap = overlap_.attach(self._sender, overlap, communicator.local_size())
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
         self._hierarchical_setting = hierarchical if self._sparse else False
         self._hier: Optional[hier.Hierarchical] = None  # the hierarchical exchange kind (dense in a host)
@@ -82,10 +83,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized, self._should_synchronize, self._config_checked = False, True, False
         self._round = 0  # communication rounds completed: drives ADTopk-I, Random-k seeds, warm-ups
         # Horovod elastic (horovod_adtopk.elastic): the world size the residuals are scaled for.
-        self._elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
-        self._residual_world = self._comm.size() if self._comm.included() else 1
-        self._membership = {"membership_changes": 0, "syncs": 0, "world_sizes": [self._residual_world],
-                            "residual_scale": []}
+        self._members = elastic.Membership(self._comm.size() if self._comm.included() else 1,
+                                           os.environ.get("HOROVOD_ELASTIC") == "1")
         self._join = JoinGate(self._comm)  # has a member called hvd.join()? asked once per round
         self._intake = GradientIntake(self._parameter_names, sparse_as_dense, self._memory)
         self._infos = {name: TensorInfo(name, tuple(p.shape), p.numel(), p.dtype)
@@ -97,7 +96,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._hierarchical_setting is not False and self._comm.included():
             self._start_hierarchical(groups)
         # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
-        self._communicating = self._comm.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        self._communicating = self._comm.included() and (communicator.world_size() > 1
+                                                         or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = ({p for group in self.param_groups for p in group["params"] if p.requires_grad}
                                  if self._communicating else set())
         for p in self._requires_update:
@@ -112,11 +112,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         collectives), then build the process sets and re-plan with the hierarchical exchange kind. Under
         Horovod elastic it falls back to flat without a collective: a worker that joins later builds its
         optimizer alone, outside ``hvd.elastic.run``, and would wait for the others forever."""
-        if not self._elastic:
+        if not self._members.enabled:
             config_check.check(self._comm, self._description)
         self._hier = self._intake.hierarchical = hier.Hierarchical(
             self._hierarchical_setting, self._compression, self._comm, self.op, hvd.Sum, self.op == hvd.Average,
-            *self._scales(), elastic=self._elastic)
+            *self._scales(), elastic=self._members.enabled)
         self._plan_paths()
         self._set_groups(groups)
 
@@ -218,7 +218,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_config(self) -> None:
         """Every member must share the configuration; else all of them raise (before any exchange)."""
-        if self._elastic and elastic.world_changed(self._residual_world, self._world()):
+        if self._members.changed_without_sync(self._world()):
             self._new_world()  # hosts removed: Horovod skipped sync(); every survivor sees the same change
         if not self._config_checked:
             self._config_checked = True
@@ -335,7 +335,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if ours is None:
             return
         self._round = int(ours["round"])
-        self._residual_world = self._world()
+        self._members.world = self._world()
         if self._partial is not None and ours.get("partial_sparsification") is not None:
             self._partial.report = ours["partial_sparsification"]
             self._plan_paths()
@@ -358,7 +358,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return {"inner": elastic.deep(super(self.__class__, self).state_dict()), "round": self._round,
                 "memory": self._memory.state_dict() if self._memory is not None else None,
                 "compressor": elastic.deep(self._compression.state_dict()) if self._sparse else None,
-                "world": self._residual_world,
+                "world": self._members.world,
                 "owner": {n: t.clone() for n, t in self._sender.owner.items()} if self._sender is not None else {},
                 "partial": elastic.deep(self._partial.report) if self._partial is not None else None}
 
@@ -376,7 +376,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._partial.report = elastic.deep(snap["partial"])
         if self._sender is not None:
             self._sender.owner = {n: t.clone() for n, t in snap.get("owner", {}).items()}
-        self._residual_world = snap["world"]
+        self._members.world = snap["world"]
 
     def _elastic_sync(self) -> None:
         """After a membership change (collective): rank 0's wrapped-optimizer state, round and partial
@@ -394,17 +394,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._round = int(shared["round"])
         if self._partial is not None:
             self._partial.report = shared["partial"]
-        self._membership["syncs"] += 1
-        self._new_world(force=self._membership["syncs"] > 1)
+        self._new_world(force=self._members.synced())
 
     def _new_world(self, force: bool = True) -> None:
         """Rescale the residuals to the current world size, re-plan, check the configuration again."""
-        world = self._world()
-        if force or world != self._residual_world:
-            self._membership["membership_changes"] += 1
-            self._membership["world_sizes"].append(world)
-            self._membership["residual_scale"].append(elastic.rescale(self._memory, self._residual_world, world))
-        self._residual_world = world
+        self._members.moved_to(self._world(), self._memory, force)
         if self._hier is not None:
             self._hier.reset()
         if self._sender is not None:
@@ -429,7 +423,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sender.owner = {}
         self._reset_round()
         self._config_checked = False
-        self._residual_world = self._world()
+        self._members.world = self._world()
         self._plan_paths()
         self._description = self._describe()  # the process set's size may have changed
 
@@ -445,7 +439,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         out["overlap"] = self._overlap.report() if self._overlap is not None else {"enabled": False}
         out["memory"] = {"residual_norm": self._memory.norm() if self._memory is not None else 0.0,
                          "tensors": len(self._memory.residuals) if self._memory is not None else 0}
-        out["elastic"] = elastic.deep(self._membership)
+        out["elastic"] = self._members.report()
         return out
 
 
@@ -642,7 +636,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                      warmup_steps, sparse_as_dense, partial_sparsification, hierarchical, overlap)
     # Adam-family optimizer + per-step sparse compression with error feedback: one warning on rank 0 naming the
     # setting the documentation's decision table gives for this world size (horovod_adtopk.advice)
-    advice.advise(optimizer, compression, world_size=process_set.size(), rank=hvd.rank())
+    advice.advise(optimizer, compression, world_size=process_set.size(), rank=communicator.global_rank())
     namespace = dict(_DistributedOptimizer.__dict__)
     # hvd.broadcast_optimizer_state() initialises a fresh optimizer by stepping the *wrapped* class when the
     # optimizer comes from Horovod's optimizer module; claim that module so it never communicates there. The
