@@ -844,6 +844,8 @@ REGEN = [
      "selection-quality"),
     ("`bench_clean_exit.py [--runs N --targets ...]` (30-75 s a launch)", "`clean_exit/*.json`", "clean-exit"),
     ("`elastic_faults.py` (root; about 90 s a fault)", "`elastic/faults.json`, `elastic/faults.md`", "elastic"),
+    ("`bench_bitwise.py --against COMMIT` (about 10 min)", "`bitwise/*.json`",
+     "none (refactors: the same parameters and counters before and after)"),
     ("`score_final_models.py` (minutes)", "`convergence/gpt2000_fp32/last_sync/scores.json`",
      "none (the last-sync check behind `sync_now(average=True)`)"),
     ("`report.py` (seconds)", "this page and `BENCHMARKS.md`, `scale/share_of_dense.png`, "
