@@ -79,6 +79,9 @@ METHODS: Dict[str, tuple] = {
     "dense": ("horovod", ["--compressor", "none"]),
     # "--min-fiber-len 1": one row or column per fiber, as these ran before the job joined the GPT's short rows
     "adtopk01": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1"]),
+    # per-step ADTopk 0.01 through the owner-sharded exchange (horovod_adtopk.sharded): bytes per rank bounded in W
+    "adtopk01_sharded": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
+                                     "--exchange", "sharded"]),
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
     "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1"]),
     # short rows joined: every fiber at least 2,048 entries (16 rows of the width-128 GPT, k = 20 at 0.01)
