@@ -60,13 +60,14 @@ return is :func:`wrap_optimizer`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -90,7 +91,8 @@ class Outer:
     is the mean of the ranks' parameters after their step)."""
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False, feedback_decay: float = 1.0,
-                 value_bits: Optional[int] = None, value_group: Optional[int] = None, exchange: str = "auto") -> None:
+                 value_bits: Optional[int] = None, value_group: Optional[int] = None, exchange: str = "auto",
+                 optimizer: Optional[Callable[[List[torch.Tensor]], torch.optim.Optimizer]] = None) -> None:
         if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
             raise ValueError(f"outer lr must be a finite number > 0, got {lr!r}")
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0.0 <= float(momentum) < 1.0:
@@ -108,6 +110,35 @@ class Outer:
         self.value_bits = check_value_bits(value_bits)
         self.value_group = check_value_group(value_group, self.value_bits)
         self.exchange = sharded.check_exchange(exchange)
+        if optimizer is not None and not callable(optimizer):
+            raise TypeError(f"Outer.custom(optimizer) takes a callable that builds a torch.optim.Optimizer from a "
+                            f"list of tensors, e.g. functools.partial(torch.optim.Adam, lr=1e-3); got {optimizer!r}")
+        self.optimizer = optimizer
+
+    @classmethod
+    def custom(cls, optimizer: Callable[[List[torch.Tensor]], torch.optim.Optimizer], feedback_decay: float = 1.0,
+               value_bits: Optional[int] = None, value_group: Optional[int] = None, exchange: str = "auto") -> "Outer":
+        """Any ``torch.optim`` optimizer as the outer step (torchft's ``local_sgd`` model): ``optimizer(params)``
+        builds it over the outer parameters (one tensor per trainable parameter, in the model's order), the
+        averaged pseudo-gradient is their ``.grad``, and one ``step()`` per sync applies it. E.g.
+        ``hat.Outer.custom(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))`` is
+        ``Outer.nesterov()``; its state (``optimizer.state``, per parameter name) is saved in checkpoints and
+        kept identical on every rank. Learning-rate schedules: call them on the built optimizer through
+        ``opt.outer_optimizer()``. The other arguments as in :meth:`sgd`."""
+        outer = cls(1.0, 0.0, False, feedback_decay, value_bits, value_group, exchange, optimizer=optimizer)
+        outer.build([torch.zeros(1)])  # refuse a factory that does not build an optimizer now, not at the first sync
+        return outer
+
+    def build(self, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer of the outer step over ``params``: the custom one, or ``torch.optim.SGD``
+        with this setting's lr, momentum and Nesterov flag (the same arithmetic as DiLoCo's outer step)."""
+        if self.optimizer is None:
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+        opt = self.optimizer(params)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"Outer.custom(optimizer): optimizer(params) returned {type(opt).__name__}, not a "
+                            "torch.optim.Optimizer")
+        return opt
 
     @classmethod
     def nesterov(cls, lr: float = 0.7, momentum: float = 0.9, feedback_decay: float = 1.0,
@@ -144,23 +175,30 @@ class Outer:
                    value_group=value_group, exchange=exchange)
 
     def config(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group,
-                "exchange": self.exchange}
+        out = {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+               "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group,
+               "exchange": self.exchange}
+        if self.optimizer is not None:  # only then: checkpoints of the built-in settings keep their layout
+            out = {"optimizer": _describe_factory(self.optimizer), "feedback_decay": self.feedback_decay,
+                   "value_bits": self.value_bits, "value_group": self.value_group, "exchange": self.exchange}
+        return out
 
     def __repr__(self) -> str:
+        if self.optimizer is not None:
+            return (f"Outer.custom({_describe_factory(self.optimizer)}, feedback_decay={self.feedback_decay}, "
+                    f"value_bits={self.value_bits}, value_group={self.value_group}, exchange={self.exchange!r})")
         return (f"Outer(lr={self.lr}, momentum={self.momentum}, nesterov={self.nesterov}, "
                 f"feedback_decay={self.feedback_decay}, value_bits={self.value_bits}, value_group={self.value_group}, "
                 f"exchange={self.exchange!r})")
 
-    def apply(self, theta: torch.Tensor, average: torch.Tensor, buf: Optional[torch.Tensor]) -> None:
-        """One outer step on ``theta`` in place (``buf``: the momentum buffer, or None without momentum)."""
-        if buf is None:
-            theta.add_(average, alpha=-self.lr)
-            return
-        buf.mul_(self.momentum).add_(average)
-        update = average.add(buf, alpha=self.momentum) if self.nesterov else buf
-        theta.add_(update, alpha=-self.lr)
+
+
+def _describe_factory(factory) -> str:
+    """A rank-independent description of an outer optimizer factory (for the configuration check)."""
+    if isinstance(factory, functools.partial):
+        args = [repr(a) for a in factory.args] + [f"{k}={v!r}" for k, v in sorted(factory.keywords.items())]
+        return f"{_describe_factory(factory.func)}({', '.join(args)})"
+    return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', type(factory).__qualname__)}"
 
 
 def check_settings(sync_every, outer, compression) -> None:
@@ -231,7 +269,9 @@ class LocalSteps:
         self.step = 0  # inner steps done in the current interval
         self.syncs = 0  # syncs completed (drives the warm-up, the density warm-up, ADTopk-I)
         self.theta: Optional[Dict[str, torch.Tensor]] = None  # outer parameters, taken at the first step
-        self.momentum: Dict[str, torch.Tensor] = {}
+        self.momentum: Dict[str, torch.Tensor] = {}  # the built-in outer SGD's momentum buffers, per name
+        self.outer_state: Dict[str, dict] = {}  # Outer.custom: its optimizer's state, per name
+        self._outer_opt: Optional[torch.optim.Optimizer] = None  # built over self.theta when first needed
         self.sync_seconds = 0.0
         self.sparse_path: Dict[str, bool] = {}
         # the owner-sharded exchange (horovod_adtopk.sharded): each tensor's plan, and this rank's owner residuals
@@ -337,11 +377,14 @@ class LocalSteps:
         parameters."""
         if self.theta is None:
             self.theta = {n: p.detach().clone(memory_format=torch.contiguous_format) for n, p in self.params}
+            self._outer_opt = None
 
     def memory_bytes(self) -> dict:
         """Bytes held beyond the model: outer parameters, outer momentum, residuals (and DGC velocities)."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        out = {"outer_params": size((self.theta or {}).values()), "outer_momentum": size(self.momentum.values()),
+        custom = [v for s in self.outer_state.values() for v in s.values() if torch.is_tensor(v)]
+        out = {"outer_params": size((self.theta or {}).values()),
+               "outer_momentum": size(self.momentum.values()) + size(custom),
                "residuals": 0, "owner_residuals": size(self.owner.values())}
         if self.memory is not None:
             out["residuals"] = size(self.memory.residuals.values()) + size(self.memory.velocities.values())
@@ -416,22 +459,50 @@ class LocalSteps:
                 averages.update(self._exchange_bf16(halves, world))
             if codes:
                 averages.update(self._exchange_low_bit_dense(codes, world))
-            for name, p in self.params:
-                theta, avg = self.theta[name], averages[name]
-                if average:
-                    theta.sub_(avg)
-                    p.copy_(theta)
-                    continue
-                buf = None
-                if self.outer.momentum > 0:
-                    buf = self.momentum.get(name)
-                    if buf is None:
-                        buf = self.momentum[name] = torch.zeros_like(theta)
-                self.outer.apply(theta, avg, buf)
-                p.copy_(theta)
+            if average:  # the average as it is; the outer optimizer's state is left as it was
+                for name, p in self.params:
+                    self.theta[name].sub_(averages[name])
+                    p.copy_(self.theta[name])
+            else:
+                self._outer_step(averages)
         if self.sparsifier is not None and self.sparsifier.scrub_nonfinite():
             self.stats.nonfinite_steps += 1
         self.syncs += 1
+
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer of the outer step, over the outer parameters in the model's order (built
+        when first needed, with the saved state; rebuilt whenever the outer parameters are replaced)."""
+        if self._outer_opt is None:
+            self.begin()
+            order = [self.theta[n] for n, _ in self.params]
+            opt = self.outer.build(order)
+            for n, _ in self.params:
+                t = self.theta[n]
+                if self.outer.optimizer is None:
+                    if n in self.momentum:
+                        opt.state[t]["momentum_buffer"] = self.momentum[n]
+                elif n in self.outer_state:
+                    opt.state[t].update({k: v.to(t.device) if torch.is_tensor(v) and v.dim() else v
+                                         for k, v in self.outer_state[n].items()})
+            self._outer_opt = opt
+        return self._outer_opt
+
+    def _outer_step(self, averages: Dict[str, torch.Tensor]) -> None:
+        """``theta.grad = average``, one ``step()`` of the outer optimizer, the parameters set to ``theta``."""
+        opt = self.outer_optimizer()
+        for name, _ in self.params:
+            self.theta[name].grad = averages[name].to(self.theta[name].dtype).reshape(self.theta[name].shape)
+        opt.step()
+        for name, p in self.params:
+            t = self.theta[name]
+            t.grad = None
+            p.copy_(t)
+            state = opt.state.get(t, {})
+            if self.outer.optimizer is None:
+                if state.get("momentum_buffer") is not None:
+                    self.momentum[name] = state["momentum_buffer"]
+            else:
+                self.outer_state[name] = state
 
     def _exchange(self, dense, sparse, world: int, active: int) -> Dict[str, torch.Tensor]:
         """Average every rank's contribution: the dense ones summed, the sparse payloads gathered."""
@@ -635,9 +706,16 @@ class LocalSteps:
 
     def shared_state(self) -> dict:
         """State every rank holds identically: settings, counters, outer parameters and momentum."""
-        return {"sync_every": self.sync_every, "outer": self.outer.config(), "step": self.step, "syncs": self.syncs,
-                "outer_params": {n: t.detach().clone() for n, t in (self.theta or {}).items()},
-                "momentum": {n: t.detach().clone() for n, t in self.momentum.items()}}
+        out = {"sync_every": self.sync_every, "outer": self.outer.config(), "step": self.step, "syncs": self.syncs,
+               "outer_params": {n: t.detach().clone() for n, t in (self.theta or {}).items()},
+               "momentum": {n: t.detach().clone() for n, t in self.momentum.items()}}
+        if self.outer.optimizer is not None:  # Outer.custom: its optimizer's state per name (and its settings)
+            clone = lambda v: v.detach().clone() if torch.is_tensor(v) else v  # noqa: E731
+            out["outer_optimizer"] = {n: {k: clone(v) for k, v in s.items()} for n, s in self.outer_state.items()}
+            if self._outer_opt is not None:
+                out["outer_param_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                             for g in self._outer_opt.param_groups]
+        return out
 
     def check_shared(self, block: Optional[dict]) -> None:
         """Refuse a saved block that does not fit these settings or this model (nothing changes)."""
@@ -653,6 +731,9 @@ class LocalSteps:
         if saved != mine:
             raise ValueError(f"checkpoint was written with local steps {saved}, but this optimizer uses {mine}; "
                              "resume with the same sync_every and outer settings")
+        for n in block.get("outer_optimizer", {}):
+            if n not in self.infos:
+                raise ValueError(f"local-steps outer_optimizer entry {n!r} does not fit the model")
         for store in ("outer_params", "momentum"):
             for n, t in block[store].items():
                 if n not in self.infos or tuple(t.shape) != self.infos[n].shape:
@@ -664,6 +745,14 @@ class LocalSteps:
         self.step, self.syncs = int(block["step"]), int(block["syncs"])
         self.theta = {n: place(n, t) for n, t in block["outer_params"].items()} or None
         self.momentum = {n: place(n, t) for n, t in block["momentum"].items()}
+        keep = lambda n, v: place(n, v) if torch.is_tensor(v) and v.dim() else v  # noqa: E731
+        self.outer_state = {n: {k: keep(n, v) for k, v in s.items()}
+                            for n, s in block.get("outer_optimizer", {}).items()}
+        self._outer_opt = None
+        groups = block.get("outer_param_groups")
+        if groups and self.theta is not None:  # e.g. a learning rate a schedule had changed
+            for group, saved in zip(self.outer_optimizer().param_groups, groups):
+                group.update(saved)
 
     def reset(self) -> None:
         """Forget everything rank-private and start a fresh interval from the current parameters (an elastic
@@ -675,6 +764,7 @@ class LocalSteps:
             self.compression.reset_state()
             self.sparsifier.nonfinite.clear()
         self.theta, self.momentum, self.step = None, {}, 0
+        self.outer_state, self._outer_opt = {}, None
         self.owner = {}
         self.plan()
 
@@ -713,6 +803,13 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         loss = super(self.__class__, self).step(closure)
         self._local.after_step()
         return loss
+
+    def outer_optimizer(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer of the outer step (``torch.optim.SGD`` for the built-in settings, the
+        one ``Outer.custom`` builds otherwise), over the outer parameters: e.g. for a learning-rate schedule of
+        the outer step. Rebuilt, with its state, when the outer parameters are replaced (a checkpoint is loaded,
+        an elastic reset): ask for it again afterwards rather than keeping it."""
+        return self._local.outer_optimizer()
 
     def sync_now(self, average: bool = False) -> bool:
         """Collective: the outer exchange and step now, in the middle of an interval (its pseudo-gradient covers

@@ -6,6 +6,7 @@ layer whose gradients the numpy reference (in the test module) recomputes from t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 
@@ -53,6 +54,9 @@ def outer_of(case):
     low_bit = {"feedback_decay": o.get("feedback_decay", 1.0), "value_bits": o.get("value_bits"),
                "value_group": o.get("value_group")}
     low_bit["exchange"] = o.get("exchange", "auto")
+    if o.get("optimizer") == "adam":  # Outer.custom: any torch.optim optimizer as the outer step
+        return hat.Outer.custom(functools.partial(torch.optim.Adam, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"]),
+                                **low_bit)
     return (hat.Outer.nesterov(o["lr"], o["momentum"], **low_bit) if o.get("nesterov")
             else hat.Outer.sgd(o["lr"], **low_bit))
 
@@ -164,17 +168,25 @@ def resume(args, outdir):
     """Stop in the middle of an interval, restore from one gather_state_dict file, continue: bitwise the same."""
     import horovod.torch as hvd
     H, total, stop = args["sync_every"], args["steps"], args["stop"]
-    kw = dict(sync_every=H, outer=hat.Outer.nesterov(0.7, 0.9, exchange=args.get("exchange", "auto")), warmup_steps=1,
+    outer = hat.Outer.nesterov(0.7, 0.9, exchange=args.get("exchange", "auto"))
+    if args.get("outer") == "adam":  # Outer.custom: Adam's moments and step count, and a changed learning rate
+        outer = hat.Outer.custom(functools.partial(torch.optim.Adam, lr=0.01), exchange=args.get("exchange", "auto"))
+    kw = dict(sync_every=H, outer=outer, warmup_steps=1,
               compression=hat.Compression.adtopk(ratio=0.1, min_numel=0, hybrid=False))
-    model, base = _resumable(args)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+
+    def build():
+        model, base = _resumable(args)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+        if args.get("outer") == "adam":  # as a schedule would; the resumed run gets it from the checkpoint
+            opt.outer_optimizer().param_groups[0]["lr"] = 0.02
+        return model, opt
+
+    model, opt = build()
     _mlp_run(model, opt, hvd.rank(), 0, total)
     straight = digest(model)
 
-    model, base = _resumable(args)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kw)
+    model, opt = build()
     _mlp_run(model, opt, hvd.rank(), 0, stop)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.gather_state_dict()}, buf)  # every rank, one file each
@@ -202,6 +214,8 @@ def errors(args, outdir):
         "sync_every_0": lambda: hat.DistributedOptimizer(base(), named(), sync_every=0),
         "sync_every_float": lambda: hat.DistributedOptimizer(base(), named(), sync_every=2.0),
         "outer_lr_0": lambda: hat.Outer.sgd(0.0),
+        "custom_not_callable": lambda: hat.Outer.custom(0.7),
+        "custom_not_optimizer": lambda: hat.Outer.custom(lambda params: params),
         "outer_lr_neg": lambda: hat.Outer.nesterov(lr=-1.0),
         "momentum_1": lambda: hat.Outer.nesterov(0.7, 1.0),
         "momentum_neg": lambda: hat.Outer.momentum_sgd(0.7, -0.1),
@@ -402,6 +416,7 @@ def hvd_job(args, outdir):
     if args.get("all"):
         out["equivalence"] = equivalence({"steps": 8}, outdir)
         out["resume"] = resume({"sync_every": 4, "steps": 16, "stop": 6}, outdir)
+        out["resume_custom"] = resume({"sync_every": 4, "steps": 16, "stop": 6, "outer": "adam"}, outdir)
         out["errors"] = errors({}, outdir)
         out["reset"] = reset_interval({}, outdir)
         out["join"] = join_uneven({}, outdir)

@@ -71,6 +71,10 @@ CASES = [
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True}},
     {"name": "adtopk_ef_sgd_final_sync", "sync_every": 4, "steps": 10, "inner_lr": 0.1, "final_sync": "outer",
      "compressor": "adtopk", "kwargs": {"ratio": 0.1, "axis": 1, **SPARSE_KW}, "outer": {"lr": 1.0, "momentum": 0.0}},
+    # torchft's model: any torch.optim optimizer as the outer step (Outer.custom), here Adam on the EF pseudo-gradient
+    {"name": "adtopk_custom_adam_outer", "sync_every": 2, "steps": 10, "inner_lr": 0.1,
+     "compressor": "adtopk", "kwargs": {"ratio": 0.25, "axis": 1, **SPARSE_KW},
+     "outer": {"optimizer": "adam", "lr": 0.05, "betas": [0.9, 0.99], "eps": 1e-8, "momentum": 0.0}},
     {"name": "dense_1bit_grouped_nesterov_decay", "sync_every": 3, "steps": 12, "inner_lr": 0.1, "warmup": 1,
      "outer": {"lr": 0.7, "momentum": 0.9, "nesterov": True, "feedback_decay": 0.9, "value_bits": 1,
                "value_group": 48}},
@@ -139,6 +143,7 @@ def numpy_local_steps(case, initial, world):
     w = [{n: v.copy() for n, v in theta.items()} for _ in range(world)]
     resid = [{} for _ in range(world)]
     mom = {n: np.zeros_like(v) for n, v in theta.items()}
+    sq = {n: np.zeros_like(v) for n, v in theta.items()}  # Adam's second moment (Outer.custom cases)
     owner = {}  # the owners' residuals, all shards together (sharding leaves the math unchanged)
     o, H, sparse_kind = case["outer"], case["sync_every"], case.get("compressor", "none") != "none"
     syncs = 0
@@ -196,6 +201,12 @@ def numpy_local_steps(case, initial, world):
             avg = averages[n]
             if final_average:  # sync_now(average=True): the average as it is, the momentum kept
                 theta[n] = theta[n] - avg
+            elif o.get("optimizer") == "adam":  # torch.optim.Adam's update (Kingma & Ba, bias-corrected)
+                (b1, b2), t = o["betas"], syncs + 1
+                mom[n] = b1 * mom[n] + (1 - b1) * avg
+                sq[n] = b2 * sq[n] + (1 - b2) * avg * avg
+                denom = np.sqrt(sq[n]) / np.sqrt(1 - b2 ** t) + o["eps"]
+                theta[n] = theta[n] - o["lr"] / (1 - b1 ** t) * mom[n] / denom
             elif o["momentum"] > 0:
                 mom[n] = o["momentum"] * mom[n] + avg
                 theta[n] = theta[n] - o["lr"] * (avg + o["momentum"] * mom[n] if o.get("nesterov") else mom[n])
@@ -293,7 +304,10 @@ def check_reference(results, world):
         mem = per_rank[0]["memory_bytes"]
         numel = IN * OUT + OUT
         assert mem["outer_params"] == 8 * numel
-        assert mem["outer_momentum"] == (8 * numel if case["outer"]["momentum"] > 0 else 0)
+        if case["outer"].get("optimizer") == "adam":  # two moments per entry and a float32 step count per tensor
+            assert mem["outer_momentum"] == 2 * 8 * numel + 4 * 2, case["name"]
+        else:
+            assert mem["outer_momentum"] == (8 * numel if case["outer"]["momentum"] > 0 else 0)
         low_bit_dense = "compressor" not in case and case["outer"].get("value_bits")
         # the bias keeps a residual where it travels rounded: as codes (gathered below 16 ranks here) or bfloat16
         bf16_bias = OUT if case["outer"].get("value_bits") and (low_bit_dense or bf16_gathers(OUT, world)) else 0
@@ -466,9 +480,21 @@ def test_resume_mid_interval_is_bitwise(engine):
     assert res[0]["straight"] == res[1]["straight"]
 
 
+def test_custom_outer_optimizer_resumes_bitwise():
+    """Outer.custom(Adam): its moments, step count and a learning rate changed after construction come back
+    from one gather_state_dict file; the resumed run ends bitwise where the straight one does."""
+    res = [r["resume_custom"] for r in job("horovod", 2)]
+    for r in res:
+        assert r["resumed"] == r["straight"], "resume changed the result of the custom outer optimizer"
+        assert r["step_in_interval"] == 2, r
+    assert res[0]["straight"] == res[1]["straight"]
+
+
 def test_bad_settings_raise_clear_errors():
     expected = {"sync_every_0": "sync_every must be an int >= 1", "sync_every_float": "sync_every must be an int",
-                "outer_lr_0": "outer lr must be a finite number > 0", "outer_lr_neg": "outer lr must be",
+                "outer_lr_0": "outer lr must be a finite number > 0",
+                "custom_not_callable": "takes a callable that builds a torch.optim.Optimizer",
+                "custom_not_optimizer": "returned list, not a torch.optim.Optimizer", "outer_lr_neg": "outer lr must be",
                 "momentum_1": "outer momentum must be a number in [0, 1)", "momentum_neg": "outer momentum",
                 "outer_not_outer": "outer must be a horovod_adtopk.Outer", "outer_without_sync": "needs sync_every",
                 "backward_passes": "backward_passes_per_step", "hierarchical": "hierarchical=True",
