@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common
+
+common.repo_package("examples")
 from examples.datasets import load_shakespeare  # noqa: E402
 from examples.models import build_model  # noqa: E402
 from horovod_adtopk.compressors import Compression, TensorInfo  # noqa: E402

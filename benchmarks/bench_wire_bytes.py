@@ -78,9 +78,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import common
 
 REPO = common.REPO_ROOT
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))  # tests.cluster, tests.wire_worker
-
+common.repo_package("tests")  # tests.cluster, tests.wire_worker
 from tests.wire_worker import HEADER_BYTES, counted  # noqa: E402
 
 JOB = ["--dataset", "shakespeare", "--model", "gpt", "--batch-size", "8", "--seq-len", "64", "--test-batches", "1",

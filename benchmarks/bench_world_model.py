@@ -55,11 +55,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from horovod_adtopk import netcost  # noqa: E402  (standard library only)
+from horovod_adtopk import netcost
 
-import common  # noqa: E402  (sibling module: table, write_json)
+try:
+    import common  # run as a script: its folder is on the import path (table, write_json)
+except ImportError:  # loaded by path from the tests, which run from the repository root
+    from benchmarks import common
+
+REPO = common.REPO_ROOT
 
 Shapes = List[Tuple[str, Tuple[int, ...]]]
 WORLDS, LINKS_GBIT, MIN_NUMEL = (8, 16, 64, 256, 1024), (10.0, 25.0, 100.0), 1024

@@ -13,6 +13,8 @@ What is here:
 - :func:`run_command`: run a job (``horovodrun ...``) in its own session under a timeout, killing the
   whole process tree afterwards; :data:`HOROVODRUN` is the launcher beside this Python;
 - :func:`load_example`: import a module of ``examples/`` (the training job's models and data sets);
+- :func:`repo_package`: the repository's ``examples`` or ``tests`` package, registered by its path (no
+  import-path edits), for ``import examples.job`` or ``from tests.cluster import Cluster``;
 - :func:`model_shapes`: parameter names and shapes of ResNet-50, VGG-16, BERT-base and the benchmark MLP,
   built on the ``meta`` device (nothing allocated), with their parameter counts checked.
 """
@@ -265,6 +267,25 @@ def load_example(name: str) -> types.ModuleType:
             del sys.modules[key]
             raise
     return sys.modules[key]
+
+
+def repo_package(name: str) -> types.ModuleType:
+    """The repository's package ``name`` (``examples``, ``tests``) registered by its path, so that a script run
+    as ``python benchmarks/x.py`` can ``import examples.job`` or ``from tests.cluster import Cluster`` without
+    editing the import path. The package already imported (e.g. under pytest) is returned as it is."""
+    if name not in sys.modules:
+        init = REPO_ROOT / name / "__init__.py"
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no package {name}/ in the repository")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 #: Parameter totals the shape loaders must reproduce (BatchNorm statistics are buffers, not counted).

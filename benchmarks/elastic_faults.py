@@ -42,10 +42,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import common
+from common import machine_info, table, write_json
 
-from benchmarks.common import machine_info, table, write_json  # noqa: E402
+REPO = common.REPO_ROOT
+common.repo_package("tests")
 from tests.cluster import Cluster  # noqa: E402
 from tests.elastic_runs import ElasticRun, analyse, job_args, lost_residual  # noqa: E402
 

@@ -23,12 +23,14 @@ from typing import Dict, List
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-sys.path.insert(0, str(REPO))
+try:
+    import common  # run as a script: its folder is on the import path
+except ImportError:  # imported as benchmarks.score_final_models (the tests)
+    from benchmarks import common
 
-from job import options  # noqa: E402
-from job.data import DATASETS, compute_loss, make_model  # noqa: E402
+common.repo_package("examples")
+from examples.job import options  # noqa: E402
+from examples.job.data import DATASETS, compute_loss, make_model  # noqa: E402
 
 
 def mean_loss(model: torch.nn.Module, state: Dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,

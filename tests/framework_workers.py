@@ -90,10 +90,7 @@ def plain_reference(args, outdir):
 
 def horovod_reference(args, outdir):
     """Horovod side: the RayExecutor example's ``train`` run under ``horovodrun`` (tests.harness.run_ranks)."""
-    import sys
-    from pathlib import Path
+    from tests.harness import example_module
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "frameworks"))
-    from horovod_ray import train
-
+    train = example_module("frameworks/horovod_ray").train
     return train(args["ratio"], args["steps"], args["accumulate"])

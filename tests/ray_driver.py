@@ -14,8 +14,10 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "frameworks"))
-from ray_train import train_loop  # noqa: E402  (the example's loop, pickled by value below)
+from tests.harness import example_module
+
+ray_train = example_module("frameworks/ray_train")  # registered as "ray_train", pickled by value below
+train_loop = ray_train.train_loop
 
 
 def fit(outdir: Path, name: str, resume) -> "ray.train.Result":
@@ -28,7 +30,6 @@ def fit(outdir: Path, name: str, resume) -> "ray.train.Result":
 
 def main(outdir: Path) -> None:
     import ray.cloudpickle
-    import ray_train
     ray.cloudpickle.register_pickle_by_value(ray_train)  # the workers need not find the example on their path
     ray.init(num_cpus=4, include_dashboard=False)
     try:

@@ -106,14 +106,13 @@ def test_lightning_refuses_the_strategy_hook(tmp_path):
             "from pytorch_lightning.strategies import DDPStrategy\n"
             "import horovod_adtopk as hat\n"
             "from horovod_adtopk.integrations.lightning import DDPCompression\n"
-            "import sys; sys.path.insert(0, %r)\n"
             "from lightning_ddp import Classifier, toy_data\n"
             "st = hat.ddp.CompressionState(compression=hat.Compression.adtopk(ratio=0.01))\n"
             "tr = pl.Trainer(accelerator='cpu', devices=1, strategy=DDPStrategy(ddp_comm_state=st, ddp_comm_hook=hat.ddp.hook),\n"
             "                callbacks=[DDPCompression(hat.Compression.adtopk(ratio=0.01))], max_steps=1, logger=False,\n"
             "                enable_checkpointing=False, enable_progress_bar=False)\n"
-            "tr.fit(Classifier(), torch.utils.data.DataLoader(toy_data(), batch_size=4))\n" % str(EXAMPLES))
-    rc, log, _ = run_command([sys.executable, "-c", code], timeout=120, env=ENV)
+            "tr.fit(Classifier(), torch.utils.data.DataLoader(toy_data(), batch_size=4))\n")
+    rc, log, _ = run_command([sys.executable, "-c", code], timeout=120, env=dict(ENV, PYTHONPATH=f"{EXAMPLES}{os.pathsep}{REPO}"))
     assert rc not in (0, None), log[-4000:]
     assert "remove ddp_comm_hook/ddp_comm_state from DDPStrategy" in log, log[-4000:]
 
@@ -209,7 +208,6 @@ def test_lightning_strategy_hook_is_skipped_on_cpu(tmp_path):
         "import sys, torch, pytorch_lightning as pl\n"
         "from pytorch_lightning.strategies import DDPStrategy\n"
         "import horovod_adtopk as hat\n"
-        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
         "from lightning_ddp import Classifier, toy_data\n"
         "if __name__ == '__main__':\n"
         "    st = hat.ddp.CompressionState(compression=hat.Compression.adtopk(ratio=0.01))\n"
@@ -218,7 +216,7 @@ def test_lightning_strategy_hook_is_skipped_on_cpu(tmp_path):
         "    tr.fit(Classifier(), torch.utils.data.DataLoader(toy_data(), batch_size=4))\n"
         "    print(f'RANK {tr.global_rank} STEPS {tr.global_step} ROUNDS {st.round}', flush=True)\n"
         "    hat.ddp.shutdown()\n")
-    rc, log, _ = run_command([sys.executable, str(script)], timeout=180, env=ENV)
+    rc, log, _ = run_command([sys.executable, str(script)], timeout=180, env=dict(ENV, PYTHONPATH=f"{EXAMPLES}{os.pathsep}{REPO}"))
     assert rc == 0, log[-6000:]
     assert "RANK 0 STEPS 4 ROUNDS 0" in log and "RANK 1 STEPS 4 ROUNDS 0" in log, log[-6000:]
 

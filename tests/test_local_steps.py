@@ -553,9 +553,8 @@ def test_horovod_join_uneven_data():
 
 def test_job_flags():
     """examples/train.py --sync-every / --outer-lr / --outer-momentum: checks, defaults, the keywords built."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from job import options
-    from job.engine import make_local_steps
+    from examples.job import options
+    from examples.job.engine import make_local_steps
 
     args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10"])
     assert (args.sync_every, args.dense_rounds, args.density_warmup, args.momentum_correction) == (10, 0, 0, False)
@@ -740,9 +739,8 @@ def test_value_group_runs_of_whole_fibers():
 
 
 def test_value_bits_job_flag():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from job import options
-    from job.engine import make_local_steps
+    from examples.job import options
+    from examples.job.engine import make_local_steps
 
     args = options.parse_args(["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "10", "--outer-lr", "1",
                                "--outer-momentum", "0", "--outer-feedback-decay", "0.95", "--outer-value-bits", "2"])

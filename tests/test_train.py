@@ -325,8 +325,7 @@ def test_local_steps_resume_and_last_sync(tmp_path):
     assert stopped["local_steps"]["step"] == 1 and stopped["local_steps"]["syncs"] == 2
     assert all("local_params" in e for e in stopped["ranks"].values())
     # benchmarks/score_final_models.py's candidates: each rank's model and their mean (numpy)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from score_final_models import candidates, main as score_main
+    from benchmarks.score_final_models import candidates, main as score_main
     models = candidates(stopped_ckpt)
     own = [stopped["ranks"][r]["local_params"] for r in (0, 1)]
     assert sorted(own[0]) == sorted(stopped["local_steps"]["outer_params"])
@@ -471,8 +470,7 @@ def test_model_digest_parameters_and_buffers():
     SHA-256 of the same bytes is the reference."""
     import hashlib
 
-    sys.path.insert(0, str(REPO / "examples"))
-    from job.common import model_digest
+    from examples.job.common import model_digest
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
