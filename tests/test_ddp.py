@@ -11,6 +11,7 @@ Compressors that cannot run under DDP: our PowerSGD (two dependent collective ro
 have PyTorch's own powerSGD_hook), refused with a clear error (tested below).
 """
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -340,11 +341,12 @@ def test_train_engine_ddp_runs_without_horovod(tmp_path):
     unimportable, one process, the transformer job with ADTopk."""
     from tests.test_train import TINY_GPT, tiny_corpus
     train = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-    code = ("import os, sys, runpy; sys.modules['horovod'] = None; sys.argv = sys.argv[1:]; "
-            "sys.path.insert(0, os.path.dirname(sys.argv[0])); runpy.run_path(sys.argv[0], run_name='__main__')")
+    # the script's folder on PYTHONPATH stands in for the entry ``python examples/train.py`` would give it
+    code = "import sys, runpy; sys.modules['horovod'] = None; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     cmd = [sys.executable, "-c", code, str(train), "--engine", "ddp", "--ddp-backend", "gloo", *map(str, TINY_GPT),
            "--data-dir", str(tiny_corpus(tmp_path / "text")), "--max-steps", "2", "--no-progress", "--log-every", "0"]
-    rc, out, _ = run_command(cmd, timeout=120, env={"MASTER_PORT": str(_free_port())})
+    rc, out, _ = run_command(cmd, timeout=120, env={"MASTER_PORT": str(_free_port()),
+                                                    "PYTHONPATH": f"{train.parent}{os.pathsep}{train.parent.parent}"})
     assert rc == 0 and "Final test perplexity" in out, out[-4000:]
 
 

@@ -87,3 +87,21 @@ def test_membership_rescales_residuals_like_numpy():
     assert rep == {"membership_changes": 2, "syncs": 2, "world_sizes": [4, 3, 6], "residual_scale": [0.75, 2.0]}
     rep["world_sizes"].append(99)  # a copy: the optimizer's record is not reachable through stats()
     assert members.report()["world_sizes"] == [4, 3, 6] and members.world == 6
+
+
+def test_no_file_edits_the_import_path():
+    """What several places import belongs in the library, a test helper or an importable package: no tracked
+    Python file inserts into ``sys.path`` (benchmarks use ``common.repo_package``, tests ``example_module``)."""
+    import re
+    import subprocess
+
+    repo = PACKAGE.parent
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=repo, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    edit = re.compile(r"sys\.path\s*(\.\s*(insert|append|extend|remove|pop)\b|\[[^\]]*\]\s*=|\+=|=[^=])")
+    offenders = [f"{f}:{n}" for f in files for n, line in enumerate((repo / f).read_text().splitlines(), 1)
+                 if edit.search(line)]
+    assert offenders == [], offenders
+    stem = "sys." + "path"  # the detector finds both forms (written split so that this file is not a hit)
+    assert edit.search(stem + ".insert(0, here)") and edit.search(stem + "[:0] = [a]")
