@@ -32,7 +32,7 @@ from .wire import COUNT_BYTES, pack, payload_bytes
 UPCAST = {torch.bfloat16: torch.float32}
 
 
-def _store(grad: torch.Tensor, result: torch.Tensor) -> None:
+def store_grad(grad: torch.Tensor, result: torch.Tensor) -> None:
     """Write ``result`` into the gradient's own storage (keeps its dtype and memory format)."""
     if result.data_ptr() != grad.data_ptr() or result.dtype != grad.dtype:
         grad.copy_(result.view(grad.shape) if result.is_contiguous() else result.reshape(grad.shape))
@@ -66,7 +66,7 @@ class DenseExchange(Exchange):
 
     def finish(self) -> None:
         out = self.compression.decompress(self.comm.wait(self.handle), self.ctx)
-        _store(self.params[0].grad, out)
+        store_grad(self.params[0].grad, out)
 
 
 class GroupExchange(Exchange):
@@ -80,7 +80,7 @@ class GroupExchange(Exchange):
     def finish(self) -> None:
         outputs = self.comm.wait(self.handle)
         for p, out, ctx in zip(self.params, outputs, self.ctx):
-            _store(p.grad, self.compression.decompress(out, ctx))
+            store_grad(p.grad, self.compression.decompress(out, ctx))
 
 
 class SparseGradExchange(Exchange):
@@ -118,7 +118,7 @@ class SparseExchange(Exchange):
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
         aggregate_blocks(dense, gathered, counts, self.codec, self.wire_dtype, self.sender.average_scale())
-        _store(grad, dense)
+        store_grad(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 
@@ -136,7 +136,7 @@ class SharedExchange(Exchange):
                                                                          device=grad.device)
         dense.zero_()
         dense[self.flat] = summed.to(grad.dtype)
-        _store(grad, dense)
+        store_grad(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 
@@ -173,7 +173,7 @@ class ShardedExchange(Exchange):
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
         sharded.assemble(self.plan, gathered, dense.zero_())
-        _store(grad, dense)
+        store_grad(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 

@@ -30,7 +30,6 @@ tensor with fewer fibers than local ranks. ``hierarchical="auto"`` also asks :fu
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch
 from . import lowrank, netcost
 from .communicator import Communicator, dynamic_process_sets, host_layout, process_sets
 from .compressors import ADTopkCompressor, SparseCompressor, TensorInfo
-from .exchange import UPCAST, Exchange, SparseSender, _store
+from .exchange import UPCAST, Exchange, SparseSender, store_grad
 from .memory import ErrorFeedback
 from .selection import matrix_view_shape
 from .stats import Stats
@@ -251,7 +250,7 @@ class HierarchicalExchange(Exchange):
         if grad.is_contiguous():
             grad.view(plan.rows, plan.cols).copy_(result)
         else:
-            _store(grad, result.contiguous())
+            store_grad(grad, result.contiguous())
         self.owner.senders[plan.axis].timed(self.info.name, 1, time.perf_counter() - start)
 
 
@@ -268,18 +267,9 @@ def _unsupported(compression: SparseCompressor, elastic: bool) -> Optional[str]:
 
 
 def _block_compressor(compression: SparseCompressor, axis: int) -> SparseCompressor:
-    """The compressor a block is selected with: for ADTopk rules a shallow copy with the tensor's resolved
-    fiber ``axis`` (``"auto"`` decided on the whole tensor must not be decided again on a block's shape, nor
-    ``min_fiber_len`` applied again);
-    the copy shares the original's codec cache and adaptive state (ADTopk-T), so checkpoints and resets of
-    the optimizer's compressor cover the blocks."""
-    if not isinstance(compression, ADTopkCompressor):
-        return compression
-    view = copy.copy(compression)
-    view.axis = axis
-    # the block's fibers are the tensor's (joined already where min_fiber_len joined them): never join again
-    view.min_fiber_len, view.join = None, "rows"
-    return view
+    """The compressor a block is selected with: ADTopk rules select it with the tensor's resolved fiber axis
+    (:meth:`ADTopkCompressor.for_block`), the other rules as they are."""
+    return compression.for_block(axis) if isinstance(compression, ADTopkCompressor) else compression
 
 
 class Hierarchical:

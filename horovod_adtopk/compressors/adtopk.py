@@ -2,6 +2,7 @@
 ADTopk-I (interleaved with global top-k) and ADTopk-T (threshold-estimated between exact steps)."""
 from __future__ import annotations
 
+import copy
 import numbers
 from typing import Dict, Optional, Tuple
 
@@ -41,6 +42,17 @@ class ADTopkCompressor(SparseCompressor):
         if self.join != "rows":
             extra["join"] = self.join
         return extra
+
+    def for_block(self, axis: int) -> "ADTopkCompressor":
+        """A shallow copy that selects a block of an already-planned tensor (the hierarchical exchange): the
+        tensor's resolved fiber ``axis`` (``"auto"`` decided on the whole tensor must not be decided again on
+        a block's shape) and no joining (the block's fibers are the tensor's, joined already where
+        ``min_fiber_len`` joined them). It shares this compressor's codec cache and adaptive state (ADTopk-T),
+        so checkpoints and resets of the original cover the blocks."""
+        view = copy.copy(self)
+        view.axis = axis
+        view.min_fiber_len, view.join = None, "rows"
+        return view
 
     def layout(self, info: TensorInfo, ratio: Optional[float] = None) -> sel.FiberLayout:
         return sel.fiber_layout(info.shape, self.ratio if ratio is None else ratio, self.axis, self.min_fiber_len,
