@@ -48,7 +48,10 @@ RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "
 WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 500),
              # float32: for CPUs without native bfloat16, where bf16 autocast runs several times slower
              "gpt-fp32": (["--dataset", "shakespeare", "--model", "gpt"], 500),
-             "cnn": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100"], 469)}
+             "cnn": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100"], 469),
+             # at 8 ranks: SGD's peak rate lr * W of the 2-rank runs (0.1 x 2 = 0.2; the job's 0.1 x 8 diverges)
+             "cnn-w8": (["--dataset", "fashion-mnist", "--model", "cnn", "--warmup-steps", "100", "--lr", "0.025"],
+                        469)}
 SPARSELOCO_OUTER = ["--outer-lr", "1", "--outer-momentum", "0"]
 
 
