@@ -255,18 +255,24 @@ def load_example(name: str) -> types.ModuleType:
     ``examples/`` holds scripts, not an installed package; this loads a file of it by path.
     """
     key = f"_adtopk_examples_{name}"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, EXAMPLES_DIR / f"{name}.py")
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no examples/{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[key]
-            raise
-    return sys.modules[key]
+    return sys.modules[key] if key in sys.modules else register_module(key, EXAMPLES_DIR / f"{name}.py")
+
+
+def register_module(name: str, path: Path, package_dir: Optional[Path] = None) -> types.ModuleType:
+    """Load the file ``path`` as module ``name`` (a package whose submodules are found in ``package_dir`` when
+    given) and register it in ``sys.modules``; nothing is registered if it fails to load."""
+    spec = importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=None if package_dir is None else [str(package_dir)])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def repo_package(name: str) -> types.ModuleType:
@@ -274,17 +280,7 @@ def repo_package(name: str) -> types.ModuleType:
     as ``python benchmarks/x.py`` can ``import examples.job`` or ``from tests.cluster import Cluster`` without
     editing the import path. The package already imported (e.g. under pytest) is returned as it is."""
     if name not in sys.modules:
-        init = REPO_ROOT / name / "__init__.py"
-        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no package {name}/ in the repository")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
+        register_module(name, REPO_ROOT / name / "__init__.py", REPO_ROOT / name)
     return sys.modules[name]
 
 

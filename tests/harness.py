@@ -127,16 +127,7 @@ def run_ranks(worker: str, np: int = 2, controller: str = "gloo", args: Optional
 def example_module(path: str):
     """``examples/<path>.py`` loaded by its location and registered under its file name (``"frameworks/ray_train"``
     -> module ``ray_train``), as ``python examples/<path>.py`` would name its siblings; no import-path edits."""
-    import importlib.util
+    from benchmarks.common import register_module
 
     name = Path(path).name
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{path}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    return sys.modules[name] if name in sys.modules else register_module(name, REPO / "examples" / f"{path}.py")
