@@ -82,11 +82,6 @@ def deep(obj):
     return copy.deepcopy(obj)
 
 
-def broadcast(obj, comm, name: str):
-    """Rank 0's ``obj`` on every member of ``comm`` (a Horovod collective, through the communicator)."""
-    return comm.broadcast_object(obj, name)
-
-
 def rescale(memory, old_world: Optional[int], new_world: int) -> float:
     """Scale a survivor's residuals (and momentum-correction velocities) by ``new_world / old_world``
     (module docstring, point 2); returns the factor applied."""

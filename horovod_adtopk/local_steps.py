@@ -175,13 +175,11 @@ class Outer:
                    value_group=value_group, exchange=exchange)
 
     def config(self) -> dict:
-        out = {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-               "feedback_decay": self.feedback_decay, "value_bits": self.value_bits, "value_group": self.value_group,
-               "exchange": self.exchange}
-        if self.optimizer is not None:  # only then: checkpoints of the built-in settings keep their layout
-            out = {"optimizer": _describe_factory(self.optimizer), "feedback_decay": self.feedback_decay,
-                   "value_bits": self.value_bits, "value_group": self.value_group, "exchange": self.exchange}
-        return out
+        # the built-in settings' keys as before (their checkpoints keep their layout); a custom optimizer instead
+        head = ({"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov} if self.optimizer is None
+                else {"optimizer": _describe_factory(self.optimizer)})
+        return {**head, "feedback_decay": self.feedback_decay, "value_bits": self.value_bits,
+                "value_group": self.value_group, "exchange": self.exchange}
 
     def __repr__(self) -> str:
         if self.optimizer is not None:
@@ -269,8 +267,9 @@ class LocalSteps:
         self.step = 0  # inner steps done in the current interval
         self.syncs = 0  # syncs completed (drives the warm-up, the density warm-up, ADTopk-I)
         self.theta: Optional[Dict[str, torch.Tensor]] = None  # outer parameters, taken at the first step
-        self.momentum: Dict[str, torch.Tensor] = {}  # the built-in outer SGD's momentum buffers, per name
-        self.outer_state: Dict[str, dict] = {}  # Outer.custom: its optimizer's state, per name
+        # the outer optimizer's state per name: the very dicts its ``state`` holds (it updates them in place), so
+        # that checkpoints, resets and the memory report need no copy back; SGD's "momentum_buffer" for the built-ins
+        self.outer_state: Dict[str, dict] = {}
         self._outer_opt: Optional[torch.optim.Optimizer] = None  # built over self.theta when first needed
         self.sync_seconds = 0.0
         self.sparse_path: Dict[str, bool] = {}
@@ -379,12 +378,16 @@ class LocalSteps:
             self.theta = {n: p.detach().clone(memory_format=torch.contiguous_format) for n, p in self.params}
             self._outer_opt = None
 
+    @property
+    def momentum(self) -> Dict[str, torch.Tensor]:
+        """The built-in outer SGD's momentum buffers by name (held in :attr:`outer_state`)."""
+        return {n: s["momentum_buffer"] for n, s in self.outer_state.items() if s.get("momentum_buffer") is not None}
+
     def memory_bytes(self) -> dict:
         """Bytes held beyond the model: outer parameters, outer momentum, residuals (and DGC velocities)."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        custom = [v for s in self.outer_state.values() for v in s.values() if torch.is_tensor(v)]
-        out = {"outer_params": size((self.theta or {}).values()),
-               "outer_momentum": size(self.momentum.values()) + size(custom),
+        state = [v for s in self.outer_state.values() for v in s.values() if torch.is_tensor(v)]
+        out = {"outer_params": size((self.theta or {}).values()), "outer_momentum": size(state),
                "residuals": 0, "owner_residuals": size(self.owner.values())}
         if self.memory is not None:
             out["residuals"] = size(self.memory.residuals.values()) + size(self.memory.velocities.values())
@@ -477,13 +480,7 @@ class LocalSteps:
             order = [self.theta[n] for n, _ in self.params]
             opt = self.outer.build(order)
             for n, _ in self.params:
-                t = self.theta[n]
-                if self.outer.optimizer is None:
-                    if n in self.momentum:
-                        opt.state[t]["momentum_buffer"] = self.momentum[n]
-                elif n in self.outer_state:
-                    opt.state[t].update({k: v.to(t.device) if torch.is_tensor(v) and v.dim() else v
-                                         for k, v in self.outer_state[n].items()})
+                opt.state[self.theta[n]] = self.outer_state.setdefault(n, {})
             self._outer_opt = opt
         return self._outer_opt
 
@@ -492,17 +489,10 @@ class LocalSteps:
         opt = self.outer_optimizer()
         for name, _ in self.params:
             self.theta[name].grad = averages[name].to(self.theta[name].dtype).reshape(self.theta[name].shape)
-        opt.step()
+        opt.step()  # updates self.outer_state's dicts in place
         for name, p in self.params:
-            t = self.theta[name]
-            t.grad = None
-            p.copy_(t)
-            state = opt.state.get(t, {})
-            if self.outer.optimizer is None:
-                if state.get("momentum_buffer") is not None:
-                    self.momentum[name] = state["momentum_buffer"]
-            else:
-                self.outer_state[name] = state
+            self.theta[name].grad = None
+            p.copy_(self.theta[name])
 
     def _exchange(self, dense, sparse, world: int, active: int) -> Dict[str, torch.Tensor]:
         """Average every rank's contribution: the dense ones summed, the sparse payloads gathered."""
@@ -706,11 +696,13 @@ class LocalSteps:
 
     def shared_state(self) -> dict:
         """State every rank holds identically: settings, counters, outer parameters and momentum."""
+        clone = lambda v: v.detach().clone() if torch.is_tensor(v) else v  # noqa: E731
         out = {"sync_every": self.sync_every, "outer": self.outer.config(), "step": self.step, "syncs": self.syncs,
                "outer_params": {n: t.detach().clone() for n, t in (self.theta or {}).items()},
-               "momentum": {n: t.detach().clone() for n, t in self.momentum.items()}}
-        if self.outer.optimizer is not None:  # Outer.custom: its optimizer's state per name (and its settings)
-            clone = lambda v: v.detach().clone() if torch.is_tensor(v) else v  # noqa: E731
+               "momentum": {}}
+        if self.outer.optimizer is None:  # the built-in SGD's buffers under "momentum", the layout checkpoints had
+            out["momentum"] = {n: clone(t) for n, t in self.momentum.items()}
+        else:  # Outer.custom: its optimizer's state per name (and its settings)
             out["outer_optimizer"] = {n: {k: clone(v) for k, v in s.items()} for n, s in self.outer_state.items()}
             if self._outer_opt is not None:
                 out["outer_param_groups"] = [{k: v for k, v in g.items() if k != "params"}
@@ -744,10 +736,10 @@ class LocalSteps:
         place = lambda n, t: t.detach().to(devices[n], copy=True).contiguous()  # noqa: E731
         self.step, self.syncs = int(block["step"]), int(block["syncs"])
         self.theta = {n: place(n, t) for n, t in block["outer_params"].items()} or None
-        self.momentum = {n: place(n, t) for n, t in block["momentum"].items()}
         keep = lambda n, v: place(n, v) if torch.is_tensor(v) and v.dim() else v  # noqa: E731
         self.outer_state = {n: {k: keep(n, v) for k, v in s.items()}
                             for n, s in block.get("outer_optimizer", {}).items()}
+        self.outer_state.update({n: {"momentum_buffer": place(n, t)} for n, t in block["momentum"].items()})
         self._outer_opt = None
         groups = block.get("outer_param_groups")
         if groups and self.theta is not None:  # e.g. a learning rate a schedule had changed
@@ -763,7 +755,7 @@ class LocalSteps:
         if self.sparse:
             self.compression.reset_state()
             self.sparsifier.nonfinite.clear()
-        self.theta, self.momentum, self.step = None, {}, 0
+        self.theta, self.step = None, 0
         self.outer_state, self._outer_opt = {}, None
         self.owner = {}
         self.plan()
@@ -916,8 +908,8 @@ class _LocalStepsOptimizer(torch.optim.Optimizer):
         momentum and step within the interval on every rank (the model's handler sent rank 0's parameters);
         residuals kept and rescaled."""
         local = self._local
-        inner = elastic.broadcast(super(self.__class__, self).state_dict(), local.comm, "hat.elastic.inner")
-        shared = elastic.broadcast(local.shared_state(), local.comm, "hat.elastic.outer")
+        inner = local.comm.broadcast_object(super(self.__class__, self).state_dict(), "hat.elastic.inner")
+        shared = local.comm.broadcast_object(local.shared_state(), "hat.elastic.outer")
         if local.comm.rank() != 0:
             super(self.__class__, self).load_state_dict(inner)
             local.load_shared(shared)

@@ -383,10 +383,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparsification report on every rank, residuals kept and rescaled, paths re-planned."""
         if not self._comm.included():
             return
-        inner = elastic.broadcast(super(self.__class__, self).state_dict(), self._comm, "hat.elastic.inner")
-        shared = elastic.broadcast({"round": self._round,
-                                    "partial": self._partial.report if self._partial is not None else None},
-                                   self._comm, "hat.elastic.shared")
+        inner = self._comm.broadcast_object(super(self.__class__, self).state_dict(), "hat.elastic.inner")
+        shared = self._comm.broadcast_object({"round": self._round,
+                                              "partial": self._partial.report if self._partial is not None else None},
+                                             "hat.elastic.shared")
         if self._comm.rank() != 0:
             super(self.__class__, self).load_state_dict(inner)
         self._synchronized, self._should_synchronize = False, True
