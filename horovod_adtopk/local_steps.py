@@ -71,13 +71,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import elastic, lowrank, netcost, sharded, state as layout
+from . import elastic, lowrank, netcost, payload, sharded, state as layout
 from .compressors import FlatCodec, TensorInfo, is_sparse
 from .memory import ErrorFeedback
 from .quantize import QuantizedWire, check_value_bits, check_value_group
-from .sparsify import Sparsifier, aggregate_blocks, dense_contribution, sum_in_rank_order
+from .sparsify import Sparsifier, dense_contribution
 from .stats import Stats
-from .wire import index_dtype_for, pack, payload_bytes
+from .wire import index_dtype_for
 
 #: key of the local-steps block in ``opt.state_dict()[horovod_adtopk.state.STATE_KEY]``
 STATE_BLOCK = "local_steps"
@@ -426,42 +426,15 @@ class LocalSteps:
         dense_round = self.syncs < self.warmup_syncs or active < world or world == 1
         if self.memory is not None and self.outer.feedback_decay != 1.0:
             self.memory.scale_(self.outer.feedback_decay, velocities=False)  # e_r <- beta e_r, before delta is added
-        dense: List[Tuple[str, torch.Tensor, object]] = []  # (name, wire tensor, ctx)
-        sparse: List[Tuple[str, object]] = []  # (name, selection)
-        halves: List[Tuple[str, torch.Tensor]] = []  # (name, delta): always-dense tensors in bfloat16
-        codes: List[Tuple[str, torch.Tensor]] = []  # (name, delta): every entry as a low-bit code
-        low_bit = self.outer.value_bits is not None and world > 1 and active == world
         with torch.no_grad():
+            groups = self._kinds(world, active)
             for name, p in self.params:
-                delta = self.theta[name] - p.detach()
-                info = self.infos[name]
-                if self.sparse_path[name] and not dense_round:
-                    sparse.append((name, self.sparsifier.select(delta, info, self.syncs)))
-                    continue
-                if low_bit and self.low_bit_dense and not dense_round and self.half_gather[name]:
-                    codes.append((name, delta))
-                    continue
-                if low_bit and self.sparse and not self.sparse_path[name] and self.half_gather[name]:
-                    halves.append((name, delta))
-                    continue
-                released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
-                wire = released if released is not None else delta
-                ctx = None
-                if self.dense_compression is not None and world > 1:
-                    wire, ctx = self.dense_compression.compress(wire)
-                dense.append((name, wire, ctx))
-            parts = {}
-            if sparse:
-                sparse = self._encode_sharded_sparse(sparse, world, parts)
-            if codes:
-                codes = self._encode_sharded_dense(codes, parts)
-            averages = self._exchange(dense, sparse, world, active)
-            if parts:
-                averages.update(self._exchange_sharded(parts, world))
-            if halves:
-                averages.update(self._exchange_bf16(halves, world))
-            if codes:
-                averages.update(self._exchange_low_bit_dense(codes, world))
+                kind, data = self._route(name, self.theta[name] - p.detach(), dense_round, world, active)
+                groups[kind][1].append(payload.Item(name, self.infos[name], data))
+            if world == 1:
+                averages = {it.name: it.data[0].view(it.info.shape) for it in groups["dense"][1]}
+            else:
+                averages = payload.run(self.comm, self.stats, list(groups.values()))
             if average:  # the average as it is; the outer optimizer's state is left as it was
                 for name, p in self.params:
                     self.theta[name].sub_(averages[name])
@@ -471,6 +444,44 @@ class LocalSteps:
         if self.sparsifier is not None and self.sparsifier.scrub_nonfinite():
             self.stats.nonfinite_steps += 1
         self.syncs += 1
+
+    def _kinds(self, world: int, active: int) -> Dict[str, tuple]:
+        """This sync's wire kinds (:mod:`horovod_adtopk.payload`), each with the list of its tensors, in the order
+        they travel."""
+        bits, group, memory = self.outer.value_bits, self.outer.value_group, self.memory
+        gather = (payload.SparseGather(world, self.compression) if bits is None else
+                  payload.LowBitSparseGather(world, bits, group, memory))
+        return {"dense": (payload.DenseSum(world, active, self.dense_compression), []), "sparse": (gather, []),
+                "sharded": (payload.OwnerSharded(world, bits, memory, self.owner), []),
+                "bf16": (payload.Bfloat16Gather(world, memory), []),
+                "codes": (payload.LowBitDenseGather(world, bits, group, memory), [])}
+
+    def _route(self, name: str, delta: torch.Tensor, dense_round: bool, world: int, active: int):
+        """(kind, what it encodes) of one tensor's pseudo-gradient at this sync."""
+        low_bit = self.outer.value_bits is not None and world > 1 and active == world
+        if self.sparse_path[name] and not dense_round:
+            s = self.sparsifier.select(delta, self.infos[name], self.syncs)
+            plan = self._fitting_plan(name, s, world)
+            return ("sharded", (plan, s)) if plan is not None else ("sparse", s)
+        if low_bit and self.low_bit_dense and not dense_round and self.half_gather[name]:
+            plan = self.shard_plans.get(name)
+            return ("sharded", (plan, delta)) if plan is not None else ("codes", delta)
+        if low_bit and self.sparse and not self.sparse_path[name] and self.half_gather[name]:
+            return "bf16", delta
+        released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
+        wire, ctx = (released if released is not None else delta), None
+        if self.dense_compression is not None and world > 1:
+            wire, ctx = self.dense_compression.compress(wire)
+        return "dense", (wire, ctx)
+
+    def _fitting_plan(self, name: str, selection, world: int) -> Optional[sharded.Plan]:
+        """The owner-sharded plan of a selection (re-cut for a density warm-up's k), or None: it is gathered (no
+        plan, or a codec without fibers this sync, e.g. ADTopk-I's global rounds)."""
+        layout = getattr(selection.codec, "layout", None)
+        if name not in self.shard_plans or layout is None:
+            return None
+        plan = self.shard_plans[name]
+        return plan if plan.fits(layout) else self._shard_plan(self.infos[name], world, layout)
 
     def outer_optimizer(self) -> torch.optim.Optimizer:
         """The ``torch.optim`` optimizer of the outer step, over the outer parameters in the model's order (built
@@ -493,161 +504,6 @@ class LocalSteps:
         for name, p in self.params:
             self.theta[name].grad = None
             p.copy_(self.theta[name])
-
-    def _exchange(self, dense, sparse, world: int, active: int) -> Dict[str, torch.Tensor]:
-        """Average every rank's contribution: the dense ones summed, the sparse payloads gathered."""
-        out: Dict[str, torch.Tensor] = {}
-        if world == 1:
-            for name, wire, _ in dense:
-                out[name] = wire.view(self.infos[name].shape)
-            return out
-        if dense:
-            sums = self.comm.sum_tensors([w for _, w, _ in dense], [f"hat.outer.dense.{n}" for n, _, _ in dense])
-            for (name, wire, ctx), summed in zip(dense, sums):
-                if ctx is not None:
-                    summed = self.dense_compression.decompress(summed, ctx)
-                self.stats.traffic(name, wire.numel(), payload_bytes(wire),
-                                   netcost.allreduce(payload_bytes(wire), world))
-                out[name] = summed.to(self.infos[name].dtype).div_(active).view(self.infos[name].shape)
-        if sparse and self.outer.value_bits is not None:
-            self._exchange_quantized(sparse, world, out)
-        elif sparse:
-            c = self.compression
-            payloads = [pack(s.wire_values, s.wire_index, c.wire_value_dtype(self.infos[n].dtype), s.codec.index_dtype)
-                        for n, s in sparse]
-            gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
-            for (name, s), payload, blocks in zip(sparse, payloads, gathered):
-                info = self.infos[name]
-                self.stats.traffic(name, s.values.numel(), payload_bytes(payload),
-                                   netcost.allgather(payload_bytes(payload), world))
-                avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
-                aggregate_blocks(avg, blocks, [s.codec.count] * world, s.codec, c.wire_value_dtype(info.dtype),
-                                 1.0 / world)
-                out[name] = avg.view(info.shape)
-        return out
-
-    def _encode_sharded_sparse(self, sparse, world: int, parts: dict) -> list:
-        """The rank-side half of the owner-sharded exchange for the sparse tensors on it: each selection cut into
-        its shards' blocks (encoded as the allgather path encodes them: the same error feedback). Returns the
-        tensors left to the allgather (a selection whose codec has no fibers this sync, e.g. ADTopk-I's global
-        rounds)."""
-        rest = []
-        for name, s in sparse:
-            layout = getattr(s.codec, "layout", None)
-            plan = None
-            if name in self.shard_plans and layout is not None:
-                plan = self.shard_plans[name]
-                if not plan.fits(layout):
-                    plan = self._shard_plan(self.infos[name], world, layout)  # a density warm-up's k
-            if plan is None:
-                rest.append((name, s))
-                continue
-            quantized = self.outer.value_bits is not None
-            blocks, carried = sharded.encode_sparse(plan, s.values if quantized else s.wire_values, s.wire_index)
-            if quantized and self.memory is not None:
-                self.memory.update(name, s.flat, s.values - carried.to(s.values.dtype))
-            info = self.infos[name]
-            parts[name] = sharded.Contribution(plan, blocks, info.dtype, info.numel)
-        return rest
-
-    def _encode_sharded_dense(self, codes, parts: dict) -> list:
-        """The same for dense low-bit tensors: ``a = delta + beta e`` cut into shards of rows, ``e <- a - carried``."""
-        rest = []
-        for name, delta in codes:
-            plan = self.shard_plans.get(name)
-            if plan is None:
-                rest.append((name, delta))
-                continue
-            a = self.memory.compensate(name, delta)
-            blocks, carried = sharded.encode_dense(plan, a)
-            a.sub_(carried.to(a.dtype).view(a.shape))
-            info = self.infos[name]
-            parts[name] = sharded.Contribution(plan, blocks, info.dtype, info.numel)
-        return rest
-
-    def _exchange_sharded(self, parts: dict, world: int) -> Dict[str, torch.Tensor]:
-        """Both stages of the owner-sharded exchange (:mod:`horovod_adtopk.sharded`); the owners' residuals of
-        this rank are updated in ``self.owner``."""
-        updates, wires = sharded.exchange(self.comm, parts, self.owner, "hat.outer.sharded")
-        out = {}
-        for name, part in parts.items():
-            info = self.infos[name]
-            plan = part.plan
-            count = sum((hi - lo) for lo, hi in plan.bounds) * plan.k
-            self.stats.traffic(name, count, sum(b.numel() for b in part.blocks), wires[name])
-            out[name] = updates[name].view(info.shape)
-        return out
-
-    def _exchange_quantized(self, sparse, world: int, out: Dict[str, torch.Tensor]) -> None:
-        """The sparse payloads as low-bit blocks (:mod:`horovod_adtopk.quantize`): what the codes could not carry
-        goes back into the error-feedback memory, then every rank's block is decoded and summed in rank order."""
-        wires, payloads = [], []
-        for name, s in sparse:
-            info = self.infos[name]
-            wire = QuantizedWire.for_codec(self.outer.value_bits, s.codec, info.numel, self.outer.value_group)
-            block, carried = wire.encode(s.values, s.wire_index)
-            if self.memory is not None:
-                self.memory.update(name, s.flat, s.values - carried.to(s.values.dtype))
-            wires.append(wire)
-            payloads.append(block)
-        gathered = self.comm.gather_tensors(payloads, [f"hat.outer.sparse.{n}" for n, _ in sparse])
-        for (name, s), wire, payload, blocks in zip(sparse, wires, payloads, gathered):
-            info = self.infos[name]
-            self.stats.traffic(name, s.values.numel(), payload_bytes(payload),
-                               netcost.allgather(payload_bytes(payload), world))
-            decoded = wire.decode(blocks, world)
-            avg = torch.empty(info.numel, dtype=info.dtype, device=payload.device)
-            sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
-                              [wire.count] * world, s.codec, 1.0 / world)
-            out[name] = avg.view(info.shape)
-
-    def _exchange_low_bit_dense(self, codes, world: int) -> Dict[str, torch.Tensor]:
-        """``value_bits`` with a dense compressor: every entry of ``a = delta + beta e`` travels as a b-bit code
-        (sign and magnitude bin, :meth:`horovod_adtopk.quantize.QuantizedWire.dense`: levels per row or per
-        ``value_group`` entries, no indices); ``e <- a - carried``; every rank's block is decoded and summed in
-        rank order in the tensor's dtype."""
-        wires, blocks = [], []
-        for name, delta in codes:
-            info = self.infos[name]
-            a = self.memory.compensate(name, delta)
-            wire = QuantizedWire.dense(self.outer.value_bits, info.shape, self.outer.value_group)
-            block, carried = wire.encode(a.reshape(-1))
-            a.sub_(carried.to(a.dtype).view(a.shape))
-            wires.append(wire)
-            blocks.append(block)
-        gathered = self.comm.gather_tensors(blocks, [f"hat.outer.codes.{n}" for n, _ in codes])
-        out = {}
-        for (name, _), wire, block, got in zip(codes, wires, blocks, gathered):
-            info = self.infos[name]
-            self.stats.traffic(name, info.numel, block.numel(), netcost.allgather(block.numel(), world))
-            total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
-            for values, _ in wire.decode(got.contiguous().view(-1), world):
-                total += values.to(info.dtype)
-            out[name] = total.mul_(1.0 / world).view(info.shape)
-        return out
-
-    def _exchange_bf16(self, halves, world: int) -> Dict[str, torch.Tensor]:
-        """With ``value_bits``, the tensors that always travel dense (1-D, small ones) do so as bfloat16: every
-        rank's block is gathered and summed in rank order in the tensor's dtype; the rounding stays in the
-        error-feedback memory, as a sparse tensor's unsent part does."""
-        blocks = []
-        for name, delta in halves:
-            a = delta if self.memory is None else self.memory.compensate(name, delta)  # a = delta + beta e
-            half = a.reshape(-1).to(torch.bfloat16)
-            if self.memory is not None:
-                a.sub_(half.to(a.dtype).view(a.shape))  # e <- a - what bfloat16 carries
-            blocks.append(half.view(torch.uint8))
-        gathered = self.comm.gather_tensors(blocks, [f"hat.outer.bf16.{n}" for n, _ in halves])
-        out = {}
-        for (name, _), block, got in zip(halves, blocks, gathered):
-            info = self.infos[name]
-            self.stats.traffic(name, info.numel, block.numel(), netcost.allgather(block.numel(), world))
-            parts = got.contiguous().view(torch.bfloat16).view(world, info.numel)
-            total = torch.zeros(info.numel, dtype=info.dtype, device=got.device)
-            for r in range(world):
-                total += parts[r].to(info.dtype)
-            out[name] = total.mul_(1.0 / world).view(info.shape)
-        return out
 
     # --- state ------------------------------------------------------------------------------------------------
     def local_entry(self) -> dict:

@@ -1,0 +1,251 @@
+"""The payload layer: how one tensor's contribution is encoded, moved by one collective and summed.
+
+A *wire kind* is a small class that knows three things about a tensor's contribution:
+
+- ``encode(item)``: the block this rank hands to the collective (and what error feedback keeps back: a kind
+  that rounds or drops part of ``a`` puts it into the memory here, before anything is sent);
+- which collective moves the blocks (``allreduce``: summed as they travel; ``allgather``: every rank's block
+  delivered, decoded and summed in rank order, so every rank gets the same bits);
+- ``finish(item, block, received)``: the averaged tensor from what arrived.
+
+:func:`run` is the one loop over kinds: encode every tensor of a kind, one named collective per tensor through
+the engine's communicator (``sum_tensors`` / ``gather_tensors``), then decode and sum, and count the bytes
+through :meth:`horovod_adtopk.stats.Stats.traffic` with the wire bytes of the collective actually used
+(:mod:`horovod_adtopk.netcost`). A kind whose exchange takes rounds of its own (the owner-sharded exchange:
+an all-to-all, then an allgather) provides ``run_kind`` instead and is called with all its tensors at once.
+
+A new wire kind (an int8 dense wire, a two-stage compressed allreduce, a whole-bucket selection's packed
+buffer) is a new class handed to :func:`run`; no engine changes. The kinds here are those of the local-steps
+exchange (:mod:`horovod_adtopk.local_steps`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import netcost, sharded
+from .compressors import TensorInfo
+from .memory import ErrorFeedback
+from .quantize import QuantizedWire
+from .sparsify import aggregate_blocks, sum_in_rank_order
+from .wire import pack, payload_bytes
+
+
+@dataclass
+class Item:
+    """One tensor's contribution: its name, its :class:`TensorInfo` and what the kind encodes (a dense tensor, a
+    selection, ``(wire, ctx)`` of a dense compressor)."""
+    name: str
+    info: TensorInfo
+    data: Any
+
+
+class Kind:
+    """A wire kind (module docstring). ``prefix`` names its collectives (``prefix.<tensor name>``)."""
+    prefix = "hat.payload"
+    collective = "allgather"
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def encode(self, item: Item) -> torch.Tensor:
+        raise NotImplementedError
+
+    def entries(self, item: Item) -> int:
+        """Entries this rank sends for ``item`` (for ``stats()``'s density)."""
+        return item.info.numel
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wire(self, block: torch.Tensor) -> netcost.Wire:
+        nbytes = payload_bytes(block)
+        return netcost.allreduce(nbytes, self.world) if self.collective == "allreduce" else \
+            netcost.allgather(nbytes, self.world)
+
+
+def run(comm, stats, groups: Sequence[Tuple[Kind, List[Item]]]) -> Dict[str, torch.Tensor]:
+    """Every group's tensors through their kind, groups in order; returns each tensor's averaged update."""
+    out: Dict[str, torch.Tensor] = {}
+    for kind, items in groups:
+        if not items:
+            continue
+        if hasattr(kind, "run_kind"):
+            out.update(kind.run_kind(comm, stats, items))
+            continue
+        blocks = [kind.encode(it) for it in items]
+        names = [f"{kind.prefix}.{it.name}" for it in items]
+        move = comm.sum_tensors if kind.collective == "allreduce" else comm.gather_tensors
+        for it, block, got in zip(items, blocks, move(blocks, names)):
+            stats.traffic(it.name, kind.entries(it), payload_bytes(block), kind.wire(block))
+            out[it.name] = kind.finish(it, block, got)
+    return out
+
+
+# --- the local-steps exchange's kinds -----------------------------------------------------------------------------
+
+class DenseSum(Kind):
+    """A dense tensor (``data = (wire, ctx)``: fp32, or a dense compressor's rendering and its context), summed by
+    allreduce and divided by the ``active`` members (joined members add zeros)."""
+    prefix, collective = "hat.outer.dense", "allreduce"
+
+    def __init__(self, world: int, active: int, compression=None) -> None:
+        super().__init__(world)
+        self.active, self.compression = active, compression
+
+    def encode(self, item: Item) -> torch.Tensor:
+        return item.data[0]
+
+    def entries(self, item: Item) -> int:
+        return item.data[0].numel()
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        ctx = item.data[1]
+        if ctx is not None:
+            received = self.compression.decompress(received, ctx)
+        return received.to(item.info.dtype).div_(self.active).view(item.info.shape)
+
+
+class SparseGather(Kind):
+    """A selection's values and indices packed into one block (:func:`horovod_adtopk.wire.pack`), gathered, and
+    every rank's entries summed in rank order."""
+    prefix = "hat.outer.sparse"
+
+    def __init__(self, world: int, compression) -> None:
+        super().__init__(world)
+        self.compression = compression
+
+    def encode(self, item: Item) -> torch.Tensor:
+        s = item.data
+        return pack(s.wire_values, s.wire_index, self.compression.wire_value_dtype(item.info.dtype),
+                    s.codec.index_dtype)
+
+    def entries(self, item: Item) -> int:
+        return item.data.values.numel()
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        s, info = item.data, item.info
+        avg = torch.empty(info.numel, dtype=info.dtype, device=block.device)
+        aggregate_blocks(avg, received, [s.codec.count] * self.world, s.codec,
+                         self.compression.wire_value_dtype(info.dtype), 1.0 / self.world)
+        return avg.view(info.shape)
+
+
+class LowBitSparseGather(Kind):
+    """A selection's values as b-bit codes and its indices bit-packed (:mod:`horovod_adtopk.quantize`); what the
+    codes cannot carry goes back into the error-feedback memory; decoded and summed in rank order."""
+    prefix = "hat.outer.sparse"
+
+    def __init__(self, world: int, bits: int, group: Optional[int], memory: Optional[ErrorFeedback]) -> None:
+        super().__init__(world)
+        self.bits, self.group, self.memory = bits, group, memory
+        self._wires: Dict[str, QuantizedWire] = {}
+
+    def encode(self, item: Item) -> torch.Tensor:
+        s = item.data
+        wire = self._wires[item.name] = QuantizedWire.for_codec(self.bits, s.codec, item.info.numel, self.group)
+        block, carried = wire.encode(s.values, s.wire_index)
+        if self.memory is not None:
+            self.memory.update(item.name, s.flat, s.values - carried.to(s.values.dtype))
+        return block
+
+    def entries(self, item: Item) -> int:
+        return item.data.values.numel()
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        wire, info = self._wires.pop(item.name), item.info
+        decoded = wire.decode(received, self.world)
+        avg = torch.empty(info.numel, dtype=info.dtype, device=block.device)
+        sum_in_rank_order(avg, torch.cat([v for v, _ in decoded]), torch.cat([i for _, i in decoded]),
+                          [wire.count] * self.world, item.data.codec, 1.0 / self.world)
+        return avg.view(info.shape)
+
+
+class Bfloat16Gather(Kind):
+    """A dense tensor ``a = delta + beta e`` as bfloat16, gathered and summed in rank order in the tensor's
+    dtype; the rounding stays in the error-feedback memory (when there is one)."""
+    prefix = "hat.outer.bf16"
+
+    def __init__(self, world: int, memory: Optional[ErrorFeedback]) -> None:
+        super().__init__(world)
+        self.memory = memory
+
+    def encode(self, item: Item) -> torch.Tensor:
+        a = item.data if self.memory is None else self.memory.compensate(item.name, item.data)
+        half = a.reshape(-1).to(torch.bfloat16)
+        if self.memory is not None:
+            a.sub_(half.to(a.dtype).view(a.shape))  # e <- a - what bfloat16 carries
+        return half.view(torch.uint8)
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        info = item.info
+        parts = received.contiguous().view(torch.bfloat16).view(self.world, info.numel)
+        total = torch.zeros(info.numel, dtype=info.dtype, device=received.device)
+        for r in range(self.world):
+            total += parts[r].to(info.dtype)
+        return total.mul_(1.0 / self.world).view(info.shape)
+
+
+class LowBitDenseGather(Kind):
+    """Every entry of ``a = delta + beta e`` as a b-bit code (levels per row or per ``group`` entries, no
+    indices: :meth:`horovod_adtopk.quantize.QuantizedWire.dense`); ``e <- a - carried``; decoded and summed in
+    rank order in the tensor's dtype."""
+    prefix = "hat.outer.codes"
+
+    def __init__(self, world: int, bits: int, group: Optional[int], memory: ErrorFeedback) -> None:
+        super().__init__(world)
+        self.bits, self.group, self.memory = bits, group, memory
+        self._wires: Dict[str, QuantizedWire] = {}
+
+    def encode(self, item: Item) -> torch.Tensor:
+        a = self.memory.compensate(item.name, item.data)
+        wire = self._wires[item.name] = QuantizedWire.dense(self.bits, item.info.shape, self.group)
+        block, carried = wire.encode(a.reshape(-1))
+        a.sub_(carried.to(a.dtype).view(a.shape))
+        return block
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        wire, info = self._wires.pop(item.name), item.info
+        total = torch.zeros(info.numel, dtype=info.dtype, device=received.device)
+        for values, _ in wire.decode(received.contiguous().view(-1), self.world):
+            total += values.to(info.dtype)
+        return total.mul_(1.0 / self.world).view(info.shape)
+
+
+class OwnerSharded(Kind):
+    """The owner-sharded exchange (:mod:`horovod_adtopk.sharded`): each tensor cut into its owners' shards (an
+    item's ``data`` is ``(plan, selection)`` for a sparse tensor, ``(plan, delta)`` for a dense low-bit one),
+    one all-to-all for all of them, each owner averages, re-selects with its own residual and re-encodes its
+    shard, then an allgather of the owners' blocks. ``owner``: this rank's owner residuals, updated in place."""
+    prefix = "hat.outer.sharded"
+
+    def __init__(self, world: int, bits: Optional[int], memory: Optional[ErrorFeedback],
+                 owner: Dict[str, torch.Tensor]) -> None:
+        super().__init__(world)
+        self.bits, self.memory, self.owner = bits, memory, owner
+
+    def contribution(self, item: Item) -> sharded.Contribution:
+        plan, x = item.data
+        if torch.is_tensor(x):  # dense low-bit: a = delta + beta e cut into shards of rows, e <- a - carried
+            a = self.memory.compensate(item.name, x)
+            blocks, carried = sharded.encode_dense(plan, a)
+            a.sub_(carried.to(a.dtype).view(a.shape))
+        else:  # a selection, encoded as the allgather path encodes it (the same error feedback)
+            quantized = self.bits is not None
+            blocks, carried = sharded.encode_sparse(plan, x.values if quantized else x.wire_values, x.wire_index)
+            if quantized and self.memory is not None:
+                self.memory.update(item.name, x.flat, x.values - carried.to(x.values.dtype))
+        return sharded.Contribution(plan, blocks, item.info.dtype, item.info.numel)
+
+    def run_kind(self, comm, stats, items: List[Item]) -> Dict[str, torch.Tensor]:
+        parts = {it.name: self.contribution(it) for it in items}
+        updates, wires = sharded.exchange(comm, parts, self.owner, self.prefix)
+        out = {}
+        for it in items:
+            plan, part = parts[it.name].plan, parts[it.name]
+            count = sum((hi - lo) for lo, hi in plan.bounds) * plan.k
+            stats.traffic(it.name, count, sum(b.numel() for b in part.blocks), wires[it.name])
+            out[it.name] = updates[it.name].view(it.info.shape)
+        return out
