@@ -24,7 +24,7 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(".ddp", __name__)
     if name == "Outer":  # the outer optimizer of local steps (sync_every=H); needs no framework
-        from .local_steps import Outer
+        from .outer import Outer
         return Outer
     if name == "DistributedOptimizer":
         from .optimizer import DistributedOptimizer

@@ -113,7 +113,7 @@ class ErrorFeedback:
     def scale_(self, factor: float, velocities: bool = True) -> None:
         """Multiply every residual (and velocity) by ``factor``: a survivor of an elastic membership change
         (:mod:`horovod_adtopk.elastic`), or, residuals only, an error-feedback memory that forgets (SparseLoCo's
-        ``e <- beta e + delta``, :class:`horovod_adtopk.local_steps.Outer` ``feedback_decay``)."""
+        ``e <- beta e + delta``, :class:`horovod_adtopk.outer.Outer` ``feedback_decay``)."""
         for store in (self.residuals, self.velocities) if velocities else (self.residuals,):
             for t in store.values():
                 t.mul_(factor)

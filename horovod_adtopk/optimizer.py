@@ -655,7 +655,7 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
                            gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
                            warmup_steps, hierarchical, overlap, sync_every, outer):
     """``DistributedOptimizer(..., sync_every=H)``: the inner optimizer plus the outer exchange over Horovod."""
-    from . import local_steps
+    from . import local_optimizer, local_steps
 
     if sync_every is None:
         raise ValueError("outer= needs sync_every=H (the local steps between syncs), e.g. sync_every=10")
@@ -684,5 +684,5 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
                    "sparse_as_dense": sparse_as_dense, "process_set": comm.size(),
                    "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(local.infos.items())},
                    **local.describe()}
-    return local_steps.wrap_optimizer(optimizer, local, lambda d: config_check.check(comm, d), comm.size,
+    return local_optimizer.wrap_optimizer(optimizer, local, lambda d: config_check.check(comm, d), comm.size,
                                       description, module=_horovod_optimizer.__name__)

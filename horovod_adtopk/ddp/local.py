@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from .. import config_check
-from ..local_steps import LocalSteps, Outer, check_settings, wrap_optimizer
+from ..local_optimizer import wrap_optimizer
+from ..local_steps import LocalSteps, Outer, check_settings
 from .communicator import ProcessGroupComm
 from .state import _check_compression, describe_compression
 
