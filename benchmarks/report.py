@@ -798,11 +798,10 @@ a real multi-GPU job, the convergence grids.
 NO_RECORD = [
     ("Selection + packing per model against global top-k (ResNet-50, VGG-16, BERT-base)", "bench_compress.py",
      "writes `bench_results/compress.json`, never committed"),
-    ("Hierarchical exchange on the emulated cluster (2x2, 4x1, 2x1 hosts)", "bench_hierarchical.py",
-     "writes `bench_results/hierarchical.json`, never committed"),
-    ("Alpha-beta model of dense against sparse up to 64 ranks; the 8 x 8 hierarchical projection "
-     "(`scaling_model.png`, `hierarchical_projection.png`)", "bench_scaling.py",
-     "writes `bench_results/scaling.json`; superseded by the world model above"),
+    ("Hierarchical exchange on the emulated cluster (2x2, 4x1, 2x1 hosts) and its alpha-beta projection to "
+     "8 x 8 GPUs (`hierarchical_projection.png`)", "bench_hierarchical.py",
+     "writes `bench_results/hierarchical.json`, never committed; the world model above prices the exchange "
+     "at scale"),
     ("Partial sparsification (profiled per-tensor choice), ResNet-18-style and char-LSTM step times, DDP hook "
      "on the MLP beside PyTorch's PowerSGD", "bench_step.py", "those runs' JSON was not kept"),
     ("DDP + ADTopk against DDP + PyTorch's PowerSGD rank 1 on the small CNN, 1 epoch, 3 seeds", "examples/train.py",
