@@ -29,18 +29,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-import common
+import common  # benchmarks/common.py (sibling module): repo_package, write_record
 
 common.repo_package("examples")
 from examples.datasets import load_shakespeare  # noqa: E402
 from examples.models import build_model  # noqa: E402
 from horovod_adtopk.compressors import Compression, TensorInfo  # noqa: E402
-
-import common  # noqa: E402  (sibling module: write_record)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -563,7 +563,7 @@ def main(argv=None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out_dir"}
     summary = {"settings": settings, "machine": common.machine_info(threads=1),
                "wall_seconds": time.perf_counter() - t_start, "layouts": layouts, "rows": rows, "runs": runs}
-    common.write_json(args.out_dir / "summary.json", summary)
+    common.write_record(args.out_dir / "summary.json", summary)  # + the command, the commit and the date
     if not args.no_plots:
         for path in make_plots(runs, rows, args.out_dir):
             print(f"wrote {path.relative_to(common.REPO_ROOT) if path.is_relative_to(common.REPO_ROOT) else path}")

@@ -48,7 +48,6 @@ import datetime
 import functools
 import json
 import math
-import subprocess
 import sys
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
@@ -516,13 +515,11 @@ def validate(path: Path, local_default: int, tolerance: float) -> Tuple[List[dic
 
 
 def provenance(argv: Sequence[str]) -> Dict[str, object]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    return {"command": " ".join(["python benchmarks/bench_world_model.py", *argv]), "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain")), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    """The command, the commit (``common.git_commit``), the date and the machine of this run."""
+    commit = common.git_commit() or ""
+    return {"command": " ".join(["python benchmarks/bench_world_model.py", *common.portable_argv(argv)]),
+            "git_commit": commit.split(" ")[0], "git_dirty": "uncommitted" in commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": common.machine_info()}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -573,8 +570,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "compute_ms": compute}
     this_run = "This run: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "."
     prov = provenance(argv)
-    md = [f"# World-size model of the exchanges ({prov['date'][:10]})", "", f"`{prov['command']}` at git commit "
-          f"{prov['git_commit']}" + (" (working tree modified)" if prov["git_dirty"] else ""), "", text, "", this_run,
+    md = ["# World-size model of the exchanges", "", f"`{prov['command']}` at git commit "
+          f"{prov['git_commit']}" + (" (working tree modified)" if prov["git_dirty"] else "") + f", {prov['date'][:10]}.",
+          "", text, "", this_run,
           "", "Bytes: a host NIC's per step as % of dense fp32's (W <= 8: one host, per-rank NVLink bytes).", ""]
     print(f"{text}\n\n{this_run}\n")
     for title, head, rows in tables(results, args.worlds, args.table_link, args.ranks_per_host):

@@ -10,6 +10,8 @@ What is here:
 - :func:`machine_info`: CPU model, core counts, memory, versions, for every benchmark's JSON;
 - :func:`ms`, :func:`fmt`, :func:`ratio`, :func:`table`: number formatting and plain-text tables;
 - :func:`write_json`: write a report (parent folders created);
+- :func:`write_record`: write a benchmark record with the command, the commit (:func:`git_commit`), the date
+  and the machine: every script whose JSON a table of ``docs/results.md`` reads writes it through this;
 - :func:`run_command`: run a job (``horovodrun ...``) in its own session under a timeout, killing the
   whole process tree afterwards; :data:`HOROVODRUN` is the launcher beside this Python;
 - :func:`load_example`: import a module of ``examples/`` (the training job's models and data sets);

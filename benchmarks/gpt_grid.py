@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import common  # benchmarks/common.py (this script's directory is on the path): write_record
+
 REPO = Path(__file__).resolve().parents[1]
 RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "--resume"]
 # workload -> (job flags, optimizer steps per epoch on 2 ranks: --epochs covers --steps, --max-steps stops)
@@ -286,7 +288,8 @@ def analyse(args) -> int:
             line += f" {r['time_1gbit_s'] / 60:.1f} min | {r['time_100mbit_s'] / 60:.1f} min |"
         lines.append(line)
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "table.json").write_text(json.dumps({"compute_step_s": t_compute, "rows": rows}, indent=1))
+    # write_record adds the command, the commit, the date and the machine (report.py reads them)
+    common.write_record(out / "table.json", {"compute_step_s": t_compute, "rows": rows})
     print("\n".join(lines))
     return 0
 
