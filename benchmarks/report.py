@@ -10,8 +10,13 @@ when a published page differs from what the records give. Standard library only,
 plots (optional: without it ``--no-plots`` is implied).
 
 Provenance: a record is expected to say the command that wrote it, the commit and the machine
-(``common.write_record`` adds them). Where a record lacks one of them the report says so; where it lacks a
-date, the date of the last commit that changed the record file stands in, marked "(committed)".
+(``common.write_record`` adds them). Where a record lacks one of them the report says so. Records written
+before the scripts recorded their commit carry a ``provenance`` entry added afterwards, from git: the commit
+that added the record file (``committed_in``, ``committed_on``) and the last that changed it
+(``last_changed_in``, ``last_changed_on``), and the command where the notes beside the record state it
+(``command_from`` says where). The report prints those as what they are, the commits of the record file, not
+the one that produced it, and uses ``last_changed_on`` (else ``committed_on``) as the date, marked
+"(committed)". Nothing here reads git: the pages are the same in any clone.
 """
 from __future__ import annotations
 
@@ -20,7 +25,6 @@ import json
 import math
 import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -33,15 +37,6 @@ DOCS = ROOT / "docs"
 
 def load(rel: str) -> Any:
     return json.loads((ROOT / rel).read_text())
-
-
-def git_date(rel: str) -> str:
-    try:
-        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", rel], cwd=str(ROOT), capture_output=True,
-                             text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    return f"{out} (committed)" if out else "unknown"
 
 
 def machine_text(m: Optional[Dict[str, Any]]) -> str:
@@ -65,9 +60,15 @@ def provenance(rel: str, data: Any) -> Dict[str, Any]:
     if machine is None and isinstance(d.get("meta"), dict):
         machine = d["meta"]
     date = d.get("date") or prov.get("date")
-    missing = [name for name, v in (("command", command), ("commit", commit), ("machine", machine)) if not v]
+    committed = prov.get("last_changed_on") or prov.get("committed_on")
+    # a record from before the scripts recorded their commit: the commits of the record file stand in
+    added, changed = prov.get("committed_in"), prov.get("last_changed_in")
+    missing = [name for name, v in (("command", command), ("commit", commit or added), ("machine", machine))
+               if not v]
     return {"command": command, "commit": str(commit)[:7] if commit else None, "machine": machine_text(machine),
-            "date": str(date)[:10] if date else git_date(rel), "missing": missing, "path": rel}
+            "date": str(date)[:10] if date else f"{committed} (committed)" if committed else "undated",
+            "added_in": None if commit else added, "changed_in": None if commit else changed,
+            "missing": missing, "path": rel}
 
 
 def prov_line(*provs: Dict[str, Any]) -> str:
@@ -77,6 +78,9 @@ def prov_line(*provs: Dict[str, Any]) -> str:
         bits = [f"`{p['path'][len('docs/'):]}`"] + ([] if "machine" in p["missing"] else [p["machine"]]) + [p["date"]]
         if p["commit"]:
             bits.append(f"commit {p['commit']}")
+        elif p["added_in"]:
+            bits.append(f"added in commit {p['added_in']}" + (f", last changed in {p['changed_in']}" if p["changed_in"]
+                        else "") + " (commits of the record file, not the one that produced it)")
         if p["missing"]:
             bits.append("record lacks provenance (" + ", ".join(p["missing"]) + ")")
         out.append("; ".join(bits))
