@@ -1,6 +1,6 @@
 """Every rank exits 0: launch each example and the training job N times back to back under load, count failures.
 
-Issue 56: a rank that finished its work sometimes aborted at interpreter exit ("terminate called without an
+The problem: a rank that finished its work sometimes aborted at interpreter exit ("terminate called without an
 active exception", SIGABRT): a Gloo worker thread still dropping the last collective when the interpreter
 finalized (horovod_adtopk/ddp/teardown.py, docs/troubleshooting.md). A scheduler marks such a job failed. This
 script launches, as a user would, with tiny settings (seconds each):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Wire bytes per rank and step, counted on each emulated host's link, against ``opt.stats()`` (issue 51).
+"""Wire bytes per rank and step, counted on each emulated host's link, against ``opt.stats()``.
 
 How to run (as root, from the repository root; it starts and stops its own emulated cluster of
 ``tests/cluster.py`` named ``wbench``: one network namespace per host, its ``eth1`` capped with ``tc``)::

@@ -23,7 +23,7 @@ Nothing is timed. Assumptions (printed, and recorded in the JSON):
 - Step time = compute + GPU work + exposed communication. Communication = NIC bytes / NIC speed + NVLink bytes /
   NVLink speed (+ ``--alpha-us`` per ring step; 0: bandwidth-bound). A per-step exchange hides behind
   ``--overlap`` x compute (default 0: nothing hidden); a sync of local steps hides nothing. GPU work:
-  ``--select-ns`` per element compressed (0.19 ns: BENCHMARKS.md 1f, one H200, 25M MLP, DDP + ADTopk 7.0 ms
+  ``--select-ns`` per element compressed (0.19 ns: docs/results.md, GPU section, one H200, 25M MLP, DDP + ADTopk 7.0 ms
   against dense 2.1 ms) plus ``--decode-ns`` per entry received and scattered (0.1 ns: assumed, not measured).
 - Compute per step (``--compute-ms``; A100, published): GPT-2-small 300 ms at 64 x 1024 tokens per GPU (llm.c,
   scripts/run_gpt2_124M.sh: 8x A100 80GB SXM, bf16, "~300ms/iter"); ResNet-50 103.6 ms at 256 images per GPU
