@@ -169,7 +169,7 @@ def write_record(path: Any, payload: Dict[str, Any], command: Optional[Sequence[
     ``benchmarks/report.py`` reads these three fields; a record without them is reported as lacking provenance.
     """
     record = dict(payload)
-    record["command"] = " ".join(portable_argv(command))
+    record["command"] = " ".join(portable_argv([sys.executable, *sys.argv] if command is None else command))
     record["commit"] = git_commit()
     record.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     record.setdefault("machine", machine_info())

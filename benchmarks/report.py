@@ -659,7 +659,7 @@ def section_quality() -> str:
             f"energy per entry", f"the paper's fibers: {a['adtopk']['efficiency']:.2f}", p, "one process")
     return f"""## What a rule sends: energy captured {{#selection-quality}}
 
-Why per-step ADTopk trailed Top-k on the GPT: `bench_fiber_energy.py` trains the job's GPT for
+Why per-step ADTopk trailed Top-k on the GPT: `bench_selection_quality.py gpt-updates` trains the job's GPT for
 {d['args']['steps']} dense AdamW steps, sums the last {d['args']['window']} updates (what error feedback on the
 update accumulates) and runs each rule's selection on that sum at ratio {d['args']['ratio']}. *Energy* is
 `||sent||^2 / ||a||^2` over all the matrices; *efficiency* divides it by what an exact top-k of the same
@@ -674,7 +674,7 @@ The 2,000-step runs in [Loss against dense](#gpt-accuracy) confirm it (joined co
 
 {prov_line(p)}
 
-The CNN counterpart (`bench_selection_quality.py`: ADTopk's efficiency 0.28 against Top-k's, and the gap
+The CNN counterpart (the same script's default workload: ADTopk's efficiency 0.28 against Top-k's, and the gap
 closing at equal bytes) left only text tables and plots under `selection_quality/`, no JSON record: from
 prose, no record.
 """
@@ -851,7 +851,8 @@ REGEN = [
      "`kernels/kernel_paths_*.json`", "selection-cost, kernel-history"),
     ("`scripts/gpu_check.sh` (a CUDA machine; < 8 min)", "`gpu/bench.json`, `gpu/ddp_check.json`, `gpu/gpt*.json`",
      "selection-cost, gpu"),
-    ("`bench_fiber_energy.py --time` (1 min)", "`selection_quality/gpt_fiber_energy_r0.01.json`",
+    ("`bench_selection_quality.py gpt-updates --time --out docs/selection_quality/gpt_fiber_energy_r0.01.json` "
+     "(1 min)", "`selection_quality/gpt_fiber_energy_r0.01.json`",
      "selection-quality"),
     ("`bench_clean_exit.py [--runs N --targets ...]` (30-75 s a launch)", "`clean_exit/*.json`", "clean-exit"),
     ("`elastic_faults.py` (root; about 90 s a fault)", "`elastic/faults.json`, `elastic/faults.md`", "elastic"),
