@@ -1,6 +1,6 @@
 """Every rank exits 0: launch each example and the training job N times back to back under load, count failures.
 
-Issue 56: a rank that finished its work sometimes aborted at interpreter exit ("terminate called without an
+The problem: a rank that finished its work sometimes aborted at interpreter exit ("terminate called without an
 active exception", SIGABRT): a Gloo worker thread still dropping the last collective when the interpreter
 finalized (horovod_adtopk/ddp/teardown.py, docs/troubleshooting.md). A scheduler marks such a job failed. This
 script launches, as a user would, with tiny settings (seconds each):
@@ -24,7 +24,6 @@ commit, date, machine, every failing launch's log tail) to ``--out`` (default
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
 import os
 import shutil
@@ -91,13 +90,6 @@ def stop(procs: List[subprocess.Popen]) -> None:
             p.kill()
 
 
-def git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=str(REPO), capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="launches of each target (default 50)")
@@ -151,14 +143,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(common.table(["target", "launches", "non-zero exits", "aborts", "timeouts", "mean s"], rows))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
-    head = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    report = {"command": "python benchmarks/bench_clean_exit.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "git_commit": head + (" (with uncommitted changes)" if dirty else ""),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "started_unix": started, "hog_processes": args.hog, "runs_per_target": args.runs,
-              "machine": common.machine_info(), "targets": results, "skipped": skipped}
-    path = common.write_json(args.out, report)
+    report = {"started_unix": started, "hog_processes": args.hog, "runs_per_target": args.runs,
+              "targets": results, "skipped": skipped}
+    # write_record adds the command, the commit, the date and the machine (report.py reads them)
+    path = common.write_record(args.out, report, None if argv is None else
+                               ["python", "benchmarks/bench_clean_exit.py", *argv])
     print(f"wrote {os.path.relpath(path, REPO)}")
     return 1 if any(r["nonzero"] for r in results.values()) else 0
 

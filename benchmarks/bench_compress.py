@@ -505,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     report["all_checks_ok"] = all_checks_ok
     report["seconds"] = time.perf_counter() - t_start
-    out = common.write_json(args.out, report)
+    out = common.write_record(args.out, report)  # adds the command, the commit, the date and the machine
     print(f"\n# checks (aggregation round trip): {'ok' if all_checks_ok else 'FAILED (see JSON)'}; wrote {out}; "
           f"{report['seconds']:.1f} s")
     return 0 if all_checks_ok else 1

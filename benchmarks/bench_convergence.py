@@ -578,7 +578,7 @@ def load_step_times(args) -> dict:
                 if key in slot:
                     continue  # the first file that has it wins (ratio-independent modes: dense, powersgd)
                 slot[key] = (
-                    res["median_s"], Path(path).name, data.get("git_commit"))
+                    res["median_s"], Path(path).name, data.get("commit") or data.get("git_commit"))
     return table
 
 
@@ -965,10 +965,10 @@ def report(args, start) -> None:
                "groups": groups, "verdicts": checks, "plots": [Path(p_).name for p_ in plots],
                "runs": [{k: r.get(k) for k in ("name", "command", "status", "launch_seconds", "eval_seconds",
                                                 "eval_check_abs_diff", "eval_error")} for r in records]}
-    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    common.write_record(args.out_dir / "summary.json", summary)  # + the command, the commit and the date
     (args.out_dir / "table.md").write_text(text + "\nTargets (reported, not asserted):\n\n" + vtext + "\n")
     if args.plot_dir:
-        (plot_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        common.write_record(plot_dir / "summary.json", summary)
         (plot_dir / "table.md").write_text(text + "\nTargets (reported, not asserted):\n\n" + vtext + "\n")
     print(f"wrote {args.out_dir / 'summary.json'} and table.md")
 

@@ -20,7 +20,7 @@ bytes are read from each host's veth (``eth1``'s tx bytes through netlink, ``ip 
 Ethernet/IP/TCP headers and Gloo's own messages are included) around each mode's timed steps, besides
 the package's own payload accounting. The 2x2 job also probes the links (allgathers of 8 KiB to 8 MiB
 inside a host and between hosts) and fits alpha-beta per level, which the cost model
-(``bench_scaling.two_level_step``) uses to predict every cell: network time from the model plus the local
+(``two_level_step`` below: alpha-beta per level, the package's own dense/sparse rule per tensor) uses to predict every cell: network time from the model plus the local
 compression time each rank measured (``opt.stats()``). Then the same model projects to 8 hosts x 8 GPUs
 (``--project``): inter-host 100 Gbit/s (alpha 10 us), intra-host NVLink-class 150 GB/s (alpha 5 us), one
 link per host shared by its 8 GPUs, network time only (GPU selection time is not modelled).
@@ -37,8 +37,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import common
 
@@ -48,6 +49,157 @@ RATIO = 0.01
 PROBE_SIZES = (8 << 10, 1 << 20, 8 << 20)
 PROJECTION = {"hosts": 8, "local": 8, "inter_alpha": 10e-6, "inter_beta": 12.5e9, "intra_alpha": 5e-6,
               "intra_beta": 150e9}
+
+
+# --- the two-level alpha-beta model the cells are predicted with --------------------------------------------
+# Ring collectives priced as T = (W-1) alpha + bytes / beta per step of the ring (allreduce: 2 (W-1) alpha +
+# 2 (W-1)/W D / beta; allgather: (W-1) alpha + (W-1) P / beta), one collective per Horovod fusion buffer, the
+# package's own dense/sparse rule per tensor (Compression.choose_path) and nominal payload (nominal_bytes).
+
+
+@dataclass
+class Tensor:
+    name: str
+    shape: Tuple[int, ...]
+    numel: int
+    dense_bytes: int  # fp32
+
+    @property
+    def info(self) -> Any:
+        import torch
+        from horovod_adtopk.compressors import TensorInfo
+
+        return TensorInfo(self.name, self.shape, self.numel, torch.float32)
+
+
+def model_tensors(name: str) -> List[Tensor]:
+    return [Tensor(n, s, math.prod(s), 4 * math.prod(s)) for n, s in common.model_shapes(name)]
+
+
+def hybrid_mask(compressor: Any, tensors: List[Tensor], world: int) -> List[bool]:
+    """Sparse per tensor at ``world`` by the optimizer's rule."""
+    return [compressor.choose_path(t.info, world)[0] for t in tensors]
+
+
+# --- the cost model -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Link:
+    alpha: float
+    beta: float
+    fusion_bytes: int  # 0: one collective per tensor
+
+
+def n_collectives(total_bytes: float, n_tensors: int, fusion_bytes: int) -> int:
+    if n_tensors == 0:
+        return 0
+    if fusion_bytes <= 0:
+        return n_tensors
+    return max(1, math.ceil(total_bytes / fusion_bytes))
+
+
+def allreduce_time(dense_bytes: float, n_tensors: int, world: int, link: Link) -> Tuple[float, int, float]:
+    """(seconds, collectives, bytes sent per rank) of ring allreduces of ``dense_bytes`` in total."""
+    if n_tensors == 0:
+        return 0.0, 0, 0.0
+    n = n_collectives(dense_bytes, n_tensors, link.fusion_bytes)
+    sent = 2.0 * (world - 1) / world * dense_bytes
+    return n * 2 * (world - 1) * link.alpha + sent / link.beta, n, sent
+
+
+def allgather_time(payload_bytes: float, n_tensors: int, world: int, link: Link) -> Tuple[float, int, float]:
+    """(seconds, collectives, bytes sent per rank) of ring allgathers of ``payload_bytes`` per rank in total."""
+    if n_tensors == 0:
+        return 0.0, 0, 0.0
+    n = n_collectives(world * payload_bytes, n_tensors, link.fusion_bytes)
+    sent = (world - 1) * payload_bytes
+    return n * (world - 1) * link.alpha + sent / link.beta, n, sent
+
+
+@dataclass
+class Split:
+    """Which bytes of a step are allreduced and which allgathered."""
+
+    dense_bytes: float
+    dense_tensors: int
+    payload_bytes: float
+    sparse_tensors: int
+
+
+def split(tensors: List[Tensor], sparse_mask: List[bool], payloads: List[int], dense_scale: float = 1.0) -> Split:
+    """Tensors with mask True are allgathered (payload bytes), the rest allreduced (dense bytes x dense_scale)."""
+    return Split(sum(t.dense_bytes for t, s in zip(tensors, sparse_mask) if not s) * dense_scale,
+                 sum(1 for s in sparse_mask if not s),
+                 float(sum(p for p, s in zip(payloads, sparse_mask) if s)),
+                 sum(1 for s in sparse_mask if s))
+
+
+def step_cost(sp: Split, world: int, link: Link) -> Dict[str, Any]:
+    """Predicted communication of one step: the allreduce part plus the allgather part."""
+    t_ar, n_ar, b_ar = allreduce_time(sp.dense_bytes, sp.dense_tensors, world, link)
+    t_ag, n_ag, b_ag = allgather_time(sp.payload_bytes, sp.sparse_tensors, world, link)
+    return {"seconds": t_ar + t_ag, "allreduce_s": t_ar, "allgather_s": t_ag, "sparse_tensors": sp.sparse_tensors,
+            "dense_tensors": sp.dense_tensors, "allreduces": n_ar, "allgathers": n_ag, "bytes_sent_per_rank": b_ar + b_ag,
+            "payload_bytes_per_rank": sp.payload_bytes, "dense_bytes_allreduced": sp.dense_bytes}
+
+
+# --- two levels: hosts of ranks (the hierarchical exchange) -------------------------------------------------------
+
+
+@dataclass
+class TwoLevel:
+    """``hosts`` x ``local`` ranks; ``intra``: a host's internal link, ``inter``: its one link to the others
+    (shared by its ranks). Rings are ordered by host, so one ring edge leaves each host."""
+
+    hosts: int
+    local: int
+    intra: Link
+    inter: Link
+
+    @property
+    def world(self) -> int:
+        return self.hosts * self.local
+
+    def ring_link(self) -> Link:
+        """The link a ring over every rank waits for: the inter-host one as soon as there are two hosts."""
+        return self.inter if self.hosts > 1 else self.intra
+
+
+def two_level_step(tensors: List[Tensor], compressor: Any, mode: str, topo: TwoLevel) -> Dict[str, Any]:
+    """Predicted communication seconds of one step and bytes leaving each host (one direction), for ``mode``:
+    "dense" (fp32 allreduce), "fp16", "flat" (the optimizer's hybrid rule at W: sparse tensors allgathered over
+    all ranks, the rest allreduced) or "hierarchical" (tensors the hierarchical rule takes: reduce-scatter and
+    allgather inside the host over ``intra``, then ``local`` cross-host allgathers of one block's payload
+    each; the rest as "flat")."""
+    from horovod_adtopk import hierarchical as hier
+    world, ring = topo.world, topo.ring_link()
+    scale = 0.5 if mode == "fp16" else 1.0
+    sparse = ([False] * len(tensors) if mode in ("dense", "fp16")
+              else hybrid_mask(compressor, tensors, world))
+    hier_mask = [False] * len(tensors)
+    if mode == "hierarchical" and topo.hosts > 1 and topo.local > 1:
+        hier_mask = [compressor.choose_path(t.info, topo.hosts)[0] for t in tensors]
+        sparse = [s and not h for s, h in zip(sparse, hier_mask)]
+    payloads = [compressor.nominal_bytes(t.info)[0] if compressor is not None and len(t.shape) >= 2 else 0
+                for t in tensors]
+    rest = [i for i, h in enumerate(hier_mask) if not h]  # the tensors of the flat exchange
+    flat_part = split([tensors[i] for i in rest], [sparse[i] for i in rest], [payloads[i] for i in rest], scale)
+    cost = step_cost(flat_part, world, ring)
+    crossing = 2.0 * (world - 1) / world * flat_part.dense_bytes + (world - 1) * flat_part.payload_bytes
+    if topo.hosts <= 1:
+        crossing = 0.0
+    links = hier.LinkModel(topo.intra.alpha, topo.intra.beta, topo.inter.alpha, topo.inter.beta)
+    hier_s, hier_cross = 0.0, 0.0
+    for t, h, p in zip(tensors, hier_mask, payloads):
+        if h:
+            hier_s += hier.hierarchical_seconds(t.dense_bytes, p, topo.hosts, topo.local, links)
+            hier_cross += (topo.hosts - 1) * p
+    cost["seconds"] += hier_s
+    cost.update({"hierarchical_s": hier_s, "hierarchical_tensors": sum(hier_mask),
+                 "inter_host_bytes_per_host": crossing + hier_cross})
+    return cost
+
 
 
 # --- rank side ---------------------------------------------------------------------------------------------------
@@ -204,33 +356,31 @@ def fit_alpha_beta(probes: List[Dict[str, Any]]) -> Dict[str, float]:
 
 
 def predict(cell_layout: List[int], mode: str, links: Dict[str, Dict[str, float]], compute_s: float) -> Dict[str, float]:
-    import bench_scaling as bs
     import horovod_adtopk as hat
-    tensors = bs.model_tensors("mlp")
+    tensors = model_tensors("mlp")
     hosts, local = cell_layout
-    topo = bs.TwoLevel(hosts, local, bs.Link(links["intra"]["alpha"], links["intra"]["beta"], 64 << 20),
-                       bs.Link(links["inter"]["alpha"], links["inter"]["beta"], 64 << 20))
+    topo = TwoLevel(hosts, local, Link(links["intra"]["alpha"], links["intra"]["beta"], 64 << 20),
+                       Link(links["inter"]["alpha"], links["inter"]["beta"], 64 << 20))
     if mode == "powersgd":
         return {}
     comp = hat.Compression.adtopk(ratio=RATIO) if mode in ("flat", "hierarchical") else None
-    cost = bs.two_level_step(tensors, comp, mode, topo)
+    cost = two_level_step(tensors, comp, mode, topo)
     return {"network_s": cost["seconds"], "step_s": cost["seconds"] + compute_s,
             "inter_host_bytes_per_step": cost["inter_host_bytes_per_host"] * hosts}
 
 
 def projection(ratios: Sequence[float]) -> Dict[str, Any]:
-    import bench_scaling as bs
     import horovod_adtopk as hat
     p = PROJECTION
-    topo = bs.TwoLevel(p["hosts"], p["local"], bs.Link(p["intra_alpha"], p["intra_beta"], 64 << 20),
-                       bs.Link(p["inter_alpha"], p["inter_beta"], 64 << 20))
-    tensors = bs.model_tensors("mlp")
+    topo = TwoLevel(p["hosts"], p["local"], Link(p["intra_alpha"], p["intra_beta"], 64 << 20),
+                       Link(p["inter_alpha"], p["inter_beta"], 64 << 20))
+    tensors = model_tensors("mlp")
     rows = []
     for r in ratios:
         comp = hat.Compression.adtopk(ratio=r)
         row = {"ratio": r}
         for mode in ("dense", "fp16", "flat", "hierarchical"):
-            row[mode] = bs.two_level_step(tensors, comp, mode, topo)["seconds"]
+            row[mode] = two_level_step(tensors, comp, mode, topo)["seconds"]
         row["winner"] = min(("dense", "fp16", "flat", "hierarchical"), key=lambda m: row[m])
         rows.append(row)
     return {"topology": p, "model": "mlp", "rows": rows}
@@ -324,8 +474,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         load_before = os.getloadavg()
         cells = measure(args)
-        data = {"cells": cells, "machine": common.machine_info(), "load_before": load_before,
-                "load_after": os.getloadavg()}
+        data = {"cells": cells, "load_before": load_before, "load_after": os.getloadavg()}
     links = {}
     for key, cell in cells.items():
         if "probe_intra" in cell:
@@ -344,7 +493,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          r["winner"]] for r in proj["rows"]]))
     if args.plot:
         write_plot(proj, Path(args.plot))
-    common.write_json(args.out, data)
+    common.write_record(args.out, data)  # adds the command, the commit, the date and the machine
     return 0
 
 

@@ -184,18 +184,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def git_commit() -> Optional[str]:
-    """The repository's HEAD commit (plus "-dirty" when tracked files differ), or None."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=30).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        return None if head is None else head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 # --- network namespace and tc ---------------------------------------------------------------------------------
 
 def netns_inode() -> int:
@@ -533,7 +521,6 @@ def main() -> int:
     report = {
         "benchmark": "step time (forward+backward+optimizer step), median over steps of max over ranks",
         "machine": common.machine_info(),
-        "git_commit": git_commit(),
         "config": {"rates": args.rates, "np": args.np, "models": args.models, "modes": args.modes,
                    "steps": args.steps, "warmup": args.warmup, "min_steps": args.min_steps,
                    "mode_budget_s": args.mode_budget, "ratio": args.ratio, "powersgd_rank": args.powersgd_rank,
@@ -578,7 +565,7 @@ def main() -> int:
                                                    "missing_modes": cell.get("missing_modes", []),
                                                    "errors": cell.get("errors", {}),
                                                    "timed_out": cell["timed_out"], "returncode": cell["returncode"]})
-                    out.write_text(json.dumps(report, indent=1))  # partial results survive an interruption
+                    common.write_record(out, report)  # partial results survive an interruption
     finally:
         if not args.no_netns:
             subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
@@ -588,7 +575,7 @@ def main() -> int:
     report["total_wall_s"] = time.monotonic() - t_start
     problem = plot(report["cells"], args.rates, args.modes, png)
     report["plot"] = problem or str(png)
-    out.write_text(json.dumps(report, indent=1))
+    common.write_record(out, report)  # adds the command, the commit and the date (report.py reads them)
     print(f"\nwrote {out}" + (f" and {png}" if not problem else f" ({problem})") +
           f" in {report['total_wall_s']:.0f}s", flush=True)
     if report["failures"]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Wire bytes per rank and step, counted on each emulated host's link, against ``opt.stats()`` (issue 51).
+"""Wire bytes per rank and step, counted on each emulated host's link, against ``opt.stats()``.
 
 How to run (as root, from the repository root; it starts and stops its own emulated cluster of
 ``tests/cluster.py`` named ``wbench``: one network namespace per host, its ``eth1`` capped with ``tc``)::
@@ -287,7 +287,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(results)
     report = {
         "benchmark": "bench_wire_bytes",
-        "command": " ".join(["benchmarks/bench_wire_bytes.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": started.isoformat(timespec="seconds"),
         "git": git_at_start,
         "git_at_end": git_state(),
@@ -303,7 +302,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "minus the idle rate; stats = differences of opt.stats() over the same steps; per rank and step"),
         "results": results,
     }
-    path = common.write_json(REPO / args.out if not Path(args.out).is_absolute() else args.out, report)
+    # write_record adds the command and the commit at the end (``git`` and ``git_at_end`` say more)
+    path = common.write_record(REPO / args.out if not Path(args.out).is_absolute() else args.out, report,
+                               ["python", "benchmarks/bench_wire_bytes.py",
+                                *(argv if argv is not None else sys.argv[1:])])
     print(f"wrote {path}")
     return 0
 

@@ -23,7 +23,7 @@ Nothing is timed. Assumptions (printed, and recorded in the JSON):
 - Step time = compute + GPU work + exposed communication. Communication = NIC bytes / NIC speed + NVLink bytes /
   NVLink speed (+ ``--alpha-us`` per ring step; 0: bandwidth-bound). A per-step exchange hides behind
   ``--overlap`` x compute (default 0: nothing hidden); a sync of local steps hides nothing. GPU work:
-  ``--select-ns`` per element compressed (0.19 ns: BENCHMARKS.md 1f, one H200, 25M MLP, DDP + ADTopk 7.0 ms
+  ``--select-ns`` per element compressed (0.19 ns: docs/results.md, GPU section, one H200, 25M MLP, DDP + ADTopk 7.0 ms
   against dense 2.1 ms) plus ``--decode-ns`` per entry received and scattered (0.1 ns: assumed, not measured).
 - Compute per step (``--compute-ms``; A100, published): GPT-2-small 300 ms at 64 x 1024 tokens per GPU (llm.c,
   scripts/run_gpt2_124M.sh: 8x A100 80GB SXM, bf16, "~300ms/iter"); ResNet-50 103.6 ms at 256 images per GPU
@@ -48,7 +48,6 @@ import datetime
 import functools
 import json
 import math
-import subprocess
 import sys
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
@@ -516,13 +515,11 @@ def validate(path: Path, local_default: int, tolerance: float) -> Tuple[List[dic
 
 
 def provenance(argv: Sequence[str]) -> Dict[str, object]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except OSError:
-            return ""
-    return {"command": " ".join(["python benchmarks/bench_world_model.py", *argv]), "git_commit": git("rev-parse", "HEAD"),
-            "git_dirty": bool(git("status", "--porcelain")), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    """The command, the commit (``common.git_commit``), the date and the machine of this run."""
+    commit = common.git_commit() or ""
+    return {"command": " ".join(["python benchmarks/bench_world_model.py", *common.portable_argv(argv)]),
+            "git_commit": commit.split(" ")[0], "git_dirty": "uncommitted" in commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "machine": common.machine_info()}
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -573,8 +570,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 "compute_ms": compute}
     this_run = "This run: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "."
     prov = provenance(argv)
-    md = [f"# World-size model of the exchanges ({prov['date'][:10]})", "", f"`{prov['command']}` at git commit "
-          f"{prov['git_commit']}" + (" (working tree modified)" if prov["git_dirty"] else ""), "", text, "", this_run,
+    md = ["# World-size model of the exchanges", "", f"`{prov['command']}` at git commit "
+          f"{prov['git_commit']}" + (" (working tree modified)" if prov["git_dirty"] else "") + f", {prov['date'][:10]}.",
+          "", text, "", this_run,
           "", "Bytes: a host NIC's per step as % of dense fp32's (W <= 8: one host, per-rank NVLink bytes).", ""]
     print(f"{text}\n\n{this_run}\n")
     for title, head, rows in tables(results, args.worlds, args.table_link, args.ranks_per_host):

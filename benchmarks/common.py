@@ -10,6 +10,8 @@ What is here:
 - :func:`machine_info`: CPU model, core counts, memory, versions, for every benchmark's JSON;
 - :func:`ms`, :func:`fmt`, :func:`ratio`, :func:`table`: number formatting and plain-text tables;
 - :func:`write_json`: write a report (parent folders created);
+- :func:`write_record`: write a benchmark record with the command, the commit (:func:`git_commit`), the date
+  and the machine: every script whose JSON a table of ``docs/results.md`` reads writes it through this;
 - :func:`run_command`: run a job (``horovodrun ...``) in its own session under a timeout, killing the
   whole process tree afterwards; :data:`HOROVODRUN` is the launcher beside this Python;
 - :func:`load_example`: import a module of ``examples/`` (the training job's models and data sets);
@@ -167,7 +169,7 @@ def write_record(path: Any, payload: Dict[str, Any], command: Optional[Sequence[
     ``benchmarks/report.py`` reads these three fields; a record without them is reported as lacking provenance.
     """
     record = dict(payload)
-    record["command"] = " ".join(portable_argv(command))
+    record["command"] = " ".join(portable_argv([sys.executable, *sys.argv] if command is None else command))
     record["commit"] = git_commit()
     record.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     record.setdefault("machine", machine_info())

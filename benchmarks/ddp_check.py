@@ -202,7 +202,7 @@ def main() -> int:
         print(f"step time, 1 process over {single_backend.upper()} ({device}), median of "
               f"{report['timing']['dense']['steps']} steps")
         print(common.table(["mode", "median ms", "x dense", "params"], rows))
-    path = common.write_json(Path(args.out, "ddp_check.json"), report)
+    path = common.write_record(Path(args.out, "ddp_check.json"), report)  # + the command, the commit and the date
     print(f"wrote {path} in {report['wall_s']:.0f}s")
     return 0 if report["checks"] and all(c["ok"] for c in report["checks"]) and report["timing"] else 1
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import common
-from common import machine_info, table, write_json
+from common import table
 
 REPO = common.REPO_ROOT
 common.repo_package("tests")
@@ -158,7 +158,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                                                        "600 (default)"),
                 "discovery_interval_s": 1.0, "fault_after_commit": args.fault_after}
     if args.out:
-        write_json(args.out, {"settings": settings, "machine": machine_info(), "runs": rows})
+        # write_record adds the command, the commit, the date and the machine (report.py reads them)
+        common.write_record(args.out, {"settings": settings, "runs": rows},
+                            None if argv is None else ["python", "benchmarks/elastic_faults.py", *argv])
     if args.md:
         write_markdown(args.md, rows, settings)
     return 0

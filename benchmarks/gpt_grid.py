@@ -14,8 +14,8 @@ exists) and continues unfinished ones from their newest checkpoint. Run it from 
 committed code, so that edits to the checkout do not change a grid that is under way::
 
     git worktree add --detach ../grid HEAD && cd ../grid
-    python benchmarks/gpt_grid.py --out ../grid-runs --group transformer --seeds 1,2      # issue 28's methods
-    python benchmarks/gpt_grid.py --out ../grid-runs --group local --seeds 1,2            # issue 29's methods
+    python benchmarks/gpt_grid.py --out ../grid-runs --group transformer --seeds 1,2      # the per-step compressors
+    python benchmarks/gpt_grid.py --out ../grid-runs --group local --seeds 1,2            # the local-steps methods
     python benchmarks/gpt_grid.py --out ../grid-runs --analyse [--step-times step.json]   # the table
     python benchmarks/gpt_grid.py --workload cnn --out ../cnn-runs --group local --steps 1407  # Fashion-MNIST
     python benchmarks/gpt_grid.py --workload gpt-fp32 --out ../gpt32-runs --steps 400 --methods ...  # no bf16 CPU
@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
+
+import common  # benchmarks/common.py (this script's directory is on the path): write_record
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "--resume"]
@@ -145,7 +147,7 @@ METHODS: Dict[str, tuple] = {
     # ADTopk on each rank's AdamW update every step (error feedback on the update, DeMo's place for it), 2-bit values
     "update_adtopk10_q2": ("horovod", sparseloco(1, "adtopk", "10", bits=2)),
     # between the two: ADTopk 0.25 on the pseudo-gradient of 4 local steps, 2-bit values, SparseLoCo's outer step
-    # (about 2% of dense's bytes: issue 28's "ADTopk within 2% of dense at <= 5% of its bytes" by local steps)
+    # (about 2% of dense's bytes: the target "ADTopk within 2% of dense at <= 5% of its bytes" by local steps)
     sparseloco_name(4, "adtopk", "25", True, 2, 64): ("horovod", sparseloco(4, "adtopk", "25", True, 2, 64)),
     # the recipe with every payload gathered (--outer-exchange allgather); the row above runs the default, auto,
     # which from 3 ranks on shards the payloads among owners (horovod_adtopk.sharded)
@@ -286,7 +288,8 @@ def analyse(args) -> int:
             line += f" {r['time_1gbit_s'] / 60:.1f} min | {r['time_100mbit_s'] / 60:.1f} min |"
         lines.append(line)
     (out / "table.md").write_text("\n".join(lines) + "\n")
-    (out / "table.json").write_text(json.dumps({"compute_step_s": t_compute, "rows": rows}, indent=1))
+    # write_record adds the command, the commit, the date and the machine (report.py reads them)
+    common.write_record(out / "table.json", {"compute_step_s": t_compute, "rows": rows})
     print("\n".join(lines))
     return 0
 

@@ -16,7 +16,6 @@ the checkpoints were written for.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -87,7 +86,8 @@ def main(argv: List[str] = None) -> int:
         for name, value in scores.items():
             print(f"  {name:32s} {value:.4f}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+        # the scores by checkpoint, and (write_record) the command, the commit, the date and the machine
+        common.write_record(args.json, results, ["python", "benchmarks/score_final_models.py", *argv])
     return 0
 
 

@@ -2,7 +2,9 @@
 that covers it, and no page names an issue number, a dated work-log heading or a path of one machine.
 
 Pages are README.md and every page of the site's navigation (mkdocs.yml). The records under docs/ (JSON, the
-benchmark scripts' tables) are evidence the pages link to, not pages. About 15 s in all: the build takes about
+benchmark scripts' tables) are evidence the pages link to, not pages; the markdown beside them (notes on the
+records, outside the navigation) and BENCHMARKS.md are held to the same no-issue-number, no-dated-heading,
+no-machine-path rule. About 15 s in all: the build takes about
 3 s, the DDP quickstart under torchrun about 8 s.
 """
 from __future__ import annotations
@@ -43,6 +45,12 @@ def nav_pages() -> list:
 
 def pages() -> list:
     return [REPO / "README.md"] + nav_pages()
+
+
+def record_pages() -> list:
+    """Every markdown file under docs/ outside the navigation (the notes beside the records), and BENCHMARKS.md."""
+    nav = set(nav_pages())
+    return sorted(p for p in (REPO / "docs").rglob("*.md") if p not in nav) + [REPO / "BENCHMARKS.md"]
 
 
 def code_blocks(path: Path) -> list:
@@ -126,14 +134,31 @@ BAD = [
 ]
 
 
-def test_no_issue_numbers_dated_headings_or_machine_paths():
+def bad_spans(paths: list, patterns: list) -> list:
     problems = []
-    for page in pages():
+    for page in paths:
         text = page.read_text()
-        for pattern, what in BAD:
+        for pattern, what in patterns:
             for m in pattern.finditer(text):
                 line = text.count("\n", 0, m.start()) + 1
                 problems.append(f"{page.relative_to(REPO)}:{line}: {what}: {m.group(0)!r}")
+    return problems
+
+
+def test_no_issue_numbers_dated_headings_or_machine_paths():
+    problems = bad_spans(pages(), BAD)
+    assert not problems, "\n".join(problems)
+
+
+#: a work-log heading named after a session rather than a date
+SESSION_HEADING = (re.compile(r"^#+ .*\b(?:first|second|third|fourth|fifth|sixth|later) sessions?\b|^#+ .*\bsession of\b",
+                              re.I | re.M), "a work-log heading")
+
+
+def test_record_pages_hold_no_issue_numbers_dated_headings_or_machine_paths():
+    found = record_pages()
+    assert REPO / "docs" / "convergence" / "RESULTS.md" in found and REPO / "BENCHMARKS.md" in found
+    problems = bad_spans(found, BAD + [SESSION_HEADING])
     assert not problems, "\n".join(problems)
 
 
@@ -143,6 +168,8 @@ def test_the_checks_catch_what_they_look_for():
     assert BAD[1][0].search("### 1f. On a GPU (2026-12-04)") and not BAD[1][0].search("a run on 2026-12-04")
     assert BAD[2][0].search("cd /home/someone/project") and not BAD[2][0].search("~/.cache/x")
     assert MARK.match("<!-- not run: needs a GPU; covered by tests/test_x.py::test_y -->")
+    assert SESSION_HEADING[0].search("## 3.0 At length (second and third sessions)")
+    assert SESSION_HEADING[0].search("# Session of the kernels") and not SESSION_HEADING[0].search("the third session ran")
 
 
 def test_concepts_picture_is_the_scripts_output():
