@@ -21,12 +21,12 @@ from typing import List, Optional
 
 import torch
 
-from . import lowrank, netcost, sharded
+from . import lowrank, netcost, payload, sharded
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
 from .stats import Stats
-from .wire import COUNT_BYTES, pack, payload_bytes
+from .wire import COUNT_BYTES, payload_bytes
 
 #: dtypes Horovod's collectives cannot reduce on the CPU: carried as float32 and cast back.
 UPCAST = {torch.bfloat16: torch.float32}
@@ -101,23 +101,24 @@ class SparseGradExchange(Exchange):
 
 
 class SparseExchange(Exchange):
-    """An allgathered sparse payload (fixed count, or variable with a count allgather alongside)."""
+    """An allgathered sparse payload (fixed count, or variable with a count allgather alongside), decoded by its
+    wire kind (:class:`horovod_adtopk.payload.SparseGather`)."""
 
-    def __init__(self, sender: "SparseSender", p, info: TensorInfo, codec, wire_dtype, handle, count_handle) -> None:
-        self.params, self.sender, self.info = (p,), sender, info
-        self.codec, self.wire_dtype, self.handle, self.count_handle = codec, wire_dtype, handle, count_handle
+    def __init__(self, sender: "SparseSender", p, item: payload.Item, kind: payload.SparseGather, handle,
+                 count_handle) -> None:
+        self.params, self.sender, self.info, self.item, self.kind = (p,), sender, item.info, item, kind
+        self.handle, self.count_handle = handle, count_handle
 
     def finish(self) -> None:
         start = time.perf_counter()
         comm = self.sender.comm
         gathered = comm.wait(self.handle)
-        counts = comm.wait(self.count_handle).tolist() if self.count_handle is not None else \
-            [self.codec.count] * comm.size()
+        counts = comm.wait(self.count_handle).tolist() if self.count_handle is not None else None
         grad = self.params[0].grad
         # The local gradient was consumed when the payload was built, so its storage takes the aggregate.
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
-        aggregate_blocks(dense, gathered, counts, self.codec, self.wire_dtype, self.sender.average_scale())
+        self.kind.sum_into(dense, self.item, gathered, counts)
         store_grad(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
@@ -125,8 +126,8 @@ class SparseExchange(Exchange):
 class SharedExchange(Exchange):
     """Values at positions every rank drew identically (Random-k), summed (and averaged) by allreduce."""
 
-    def __init__(self, sender: "SparseSender", p, info: TensorInfo, flat: torch.Tensor, handle) -> None:
-        self.params, self.sender, self.info, self.flat, self.handle = (p,), sender, info, flat, handle
+    def __init__(self, sender: "SparseSender", p, item: payload.Item, handle) -> None:
+        self.params, self.sender, self.info, self.item, self.handle = (p,), sender, item.info, item, handle
 
     def finish(self) -> None:
         start = time.perf_counter()
@@ -134,8 +135,7 @@ class SharedExchange(Exchange):
         grad = self.params[0].grad
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
-        dense.zero_()
-        dense[self.flat] = summed.to(grad.dtype)
+        payload.SharedSum.place(dense, self.item, summed)
         store_grad(grad, dense)
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
@@ -246,26 +246,25 @@ class SparseSender:
                 exchange = ShardedExchange(self, p, info, plan, handle)
                 return exchange, (info.name, info.numel, s.values.numel(), sum(sizes), wire,
                                   time.perf_counter() - start)
-        if isinstance(s.codec, SharedCodec):
-            # Summed in float32 at least: each rank's rounding to the wire dtype is fed back by the memory,
-            # and a float16 sum over ranks can neither overflow nor round.
-            values = s.wire_values.to(torch.promote_types(s.wire_values.dtype, torch.float32))
+        item = payload.Item(info.name, info, s)
+        if isinstance(s.codec, SharedCodec):  # Random-k: summed by Horovod (Average: postscale / size)
+            kind = payload.SharedSum(self.comm.size())
+            values = kind.encode(item)
             handle = self.comm.allreduce_async_(values, tag, self.op, 1.0, self.postscale)
-            exchange = SharedExchange(self, p, info, s.flat, handle)
-            sent = payload_bytes(values)
-            wire = netcost.allreduce(sent, self.comm.size())
+            exchange = SharedExchange(self, p, item, handle)
+            sent, wire = payload_bytes(values), kind.wire(values)
         else:
-            payload = pack(s.wire_values, s.wire_index, wire_dtype, s.codec.index_dtype)
+            kind = payload.SparseGather(self.comm.size(), c, self.average_scale())
+            block = kind.encode(item)
             count_handle = None
             if s.codec.count is None:
                 count_handle = self.comm.allgather_async(torch.tensor([s.values.numel()], dtype=torch.int64),
                                                          f"hat.count.{info.name}")
-            handle = self.comm.allgather_async(payload, tag)
-            exchange = SparseExchange(self, p, info, s.codec, wire_dtype, handle, count_handle)
-            sent = payload_bytes(payload) + (COUNT_BYTES if count_handle is not None else 0)
-            wire = netcost.allgather(payload_bytes(payload), self.comm.size())
+            handle = self.comm.allgather_async(block, tag)
+            exchange = SparseExchange(self, p, item, kind, handle, count_handle)
+            sent, wire = payload_bytes(block), kind.wire(block)
             if count_handle is not None:
-                wire = wire + netcost.allgather(COUNT_BYTES, self.comm.size())
+                sent, wire = sent + COUNT_BYTES, wire + netcost.allgather(COUNT_BYTES, self.comm.size())
         return exchange, (info.name, info.numel, s.values.numel(), sent, wire, time.perf_counter() - start)
 
     def scrub_nonfinite(self) -> int:

@@ -110,27 +110,64 @@ class DenseSum(Kind):
 
 class SparseGather(Kind):
     """A selection's values and indices packed into one block (:func:`horovod_adtopk.wire.pack`), gathered, and
-    every rank's entries summed in rank order."""
+    every rank's entries summed in rank order, times ``scale`` (``1 / world`` unless given: e.g. Horovod's
+    ``postscale / size`` for Average, 1 for Sum). Every engine's flat sparse exchange decodes through
+    :meth:`sum_into`: the Horovod per-step exchange and the hierarchical one (one block per tensor), the DDP
+    bucket (the blocks of a bucket in one buffer) and local steps (:func:`run`)."""
     prefix = "hat.outer.sparse"
 
-    def __init__(self, world: int, compression) -> None:
+    def __init__(self, world: int, compression, scale: Optional[float] = None) -> None:
         super().__init__(world)
         self.compression = compression
+        self.scale = 1.0 / world if scale is None else scale
+
+    def value_dtype(self, info: TensorInfo) -> torch.dtype:
+        return self.compression.wire_value_dtype(info.dtype)
 
     def encode(self, item: Item) -> torch.Tensor:
         s = item.data
-        return pack(s.wire_values, s.wire_index, self.compression.wire_value_dtype(item.info.dtype),
-                    s.codec.index_dtype)
+        return pack(s.wire_values, s.wire_index, self.value_dtype(item.info), s.codec.index_dtype)
 
     def entries(self, item: Item) -> int:
         return item.data.values.numel()
 
+    def sum_into(self, out: torch.Tensor, item: Item, received: torch.Tensor,
+                 counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Every rank's block of ``received`` (concatenated in rank order; ``counts[r]`` entries from rank ``r``,
+        the codec's fixed count by default) decoded and summed into ``out`` (flat, overwritten), times ``scale``."""
+        codec = item.data.codec
+        aggregate_blocks(out, received, counts if counts is not None else [codec.count] * self.world, codec,
+                         self.value_dtype(item.info), self.scale)
+        return out
+
     def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        s, info = item.data, item.info
-        avg = torch.empty(info.numel, dtype=info.dtype, device=block.device)
-        aggregate_blocks(avg, received, [s.codec.count] * self.world, s.codec,
-                         self.compression.wire_value_dtype(info.dtype), 1.0 / self.world)
-        return avg.view(info.shape)
+        avg = torch.empty(item.info.numel, dtype=item.info.dtype, device=block.device)
+        return self.sum_into(avg, item, received).view(item.info.shape)
+
+
+class SharedSum(Kind):
+    """Values at positions every rank drew identically (Random-k), summed by allreduce in float32 at least (each
+    rank's rounding to the wire dtype is fed back by its memory, and a float16 sum over ranks can neither
+    overflow nor round); :meth:`place` writes the summed values at their positions."""
+    prefix, collective = "hat.shared", "allreduce"
+
+    def encode(self, item: Item) -> torch.Tensor:
+        v = item.data.wire_values
+        return v.to(torch.promote_types(v.dtype, torch.float32))
+
+    def entries(self, item: Item) -> int:
+        return item.data.values.numel()
+
+    @staticmethod
+    def place(out: torch.Tensor, item: Item, summed: torch.Tensor) -> torch.Tensor:
+        """``out`` (flat, overwritten): zero except the summed values at the selection's positions."""
+        out.zero_()
+        out[item.data.flat] = summed.to(out.dtype)
+        return out
+
+    def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(item.info.numel, dtype=item.info.dtype, device=received.device)
+        return self.place(out, item, received.div_(self.world)).view(item.info.shape)
 
 
 class LowBitSparseGather(Kind):

@@ -4,8 +4,8 @@ For a bucket with gradients ``g_1 .. g_n`` (views into ``bucket.buffer()``), in 
 
 1. each gradient takes its path (the compressor's ``choose_path``, as in the Horovod optimizer; dense during
    the first ``warmup_steps`` rounds). A sparse one goes through error feedback and selection
-   (:class:`horovod_adtopk.sparsify.Sparsifier`: the same kernels) and is packed into its ``uint8`` block
-   (:func:`horovod_adtopk.wire.pack`);
+   (:class:`horovod_adtopk.sparsify.Sparsifier`: the same kernels) and is packed into its ``uint8`` block by its
+   wire kind (:class:`horovod_adtopk.payload.SparseGather`, as the Horovod engine and local steps pack theirs);
 2. the dense gradients are concatenated (and compressed, for a dense compressor such as fp16) and
    allreduced together: one asynchronous ``all_reduce``; Random-k's values (positions every rank knows)
    are summed by one more;
@@ -13,8 +13,8 @@ For a bucket with gradients ``g_1 .. g_n`` (views into ``bucket.buffer()``), in 
    ``all_gather_single`` (``all_gather_into_tensor``). Fixed-size rules (ADTopk, Top-k, ADTopk-I) need
    nothing else. Variable-size rules (thresholds, DGC, ADTopk-T) first exchange their per-tensor counts
    (one small blocking gather of ``8 * n`` bytes), then pad every rank's buffer to the largest rank's;
-4. the returned future's callback unpacks, scatter-adds rank by rank
-   (:func:`horovod_adtopk.sparsify.aggregate_blocks`: bitwise the same on every rank), averages, and writes
+4. the returned future's callback decodes and sums rank by rank through the same kind
+   (:meth:`horovod_adtopk.payload.SparseGather.sum_into`: bitwise the same on every rank), averages, and writes
    everything back into the bucket buffer, which is the future's result.
 
 The callback does local work only; no collective is ever issued from it.
@@ -26,10 +26,10 @@ from typing import List, Tuple
 
 import torch
 
-from .. import netcost, sharded
+from .. import netcost, payload, sharded
 from ..compressors import SharedCodec, TensorInfo
-from ..sparsify import aggregate_blocks, dense_contribution
-from ..wire import COUNT_BYTES, block_bytes, pack, payload_bytes
+from ..sparsify import dense_contribution
+from ..wire import COUNT_BYTES, block_bytes, payload_bytes
 from .communicator import peer_lost
 
 
@@ -142,8 +142,9 @@ class BucketExchange:
     def _launch_shared(self) -> None:
         if not self.shared:
             return
-        # Summed in float32 at least (as the Horovod engine does): the memory keeps each rank's wire rounding.
-        values = [s.wire_values.to(torch.promote_types(s.wire_values.dtype, torch.float32)) for _, _, s in self.shared]
+        kind = payload.SharedSum(self.world)  # float32 at least, as the Horovod engine sums them
+        self.shared_items = [payload.Item(info.name, info, s) for _, info, s in self.shared]
+        values = [kind.encode(item) for item in self.shared_items]
         self.shared_wire = torch.cat(values)
         for (_, info, _), v in zip(self.shared, values):
             self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v),
@@ -153,8 +154,9 @@ class BucketExchange:
     def _launch_sparse(self) -> None:
         if not self.sparse:
             return
-        blocks = [pack(s.wire_values, s.wire_index, self._wire_dtype(info), s.codec.index_dtype)
-                  for _, info, s in self.sparse]
+        self.sparse_kind = payload.SparseGather(self.world, self.state.compression)
+        self.sparse_items = [payload.Item(info.name, info, s) for _, info, s in self.sparse]
+        blocks = [self.sparse_kind.encode(item) for item in self.sparse_items]
         local = torch.cat(blocks)
         self.variable = any(s.codec.count is None for _, _, s in self.sparse)
         if self.variable:  # counts first (blocking, tiny), then every rank's buffer padded to the largest
@@ -262,12 +264,9 @@ class BucketExchange:
             return
         summed = self.shared_wire.div_(self.world)
         offset = 0
-        for view, _, s in self.shared:
+        for (view, _, s), item in zip(self.shared, self.shared_items):
             n = s.flat.numel()
-            out = _flat_out(view)
-            out.zero_()
-            out[s.flat] = summed[offset:offset + n].to(view.dtype)
-            _store(view, out)
+            _store(view, payload.SharedSum.place(_flat_out(view), item, summed[offset:offset + n]))
             offset += n
 
     def _finish_sparse(self) -> None:
@@ -275,11 +274,9 @@ class BucketExchange:
             return
         rows = self.gathered.view(self.world, self.row_bytes)
         offsets = [0] * self.world
-        for i, (view, info, s) in enumerate(self.sparse):
+        for i, ((view, info, s), item) in enumerate(zip(self.sparse, self.sparse_items)):
             counts = [self.counts[r][i] for r in range(self.world)]
             sizes = [self._block_bytes(i, c) for c in counts]
             blocks = torch.cat([rows[r, offsets[r]:offsets[r] + sizes[r]] for r in range(self.world)])
             offsets = [o + b for o, b in zip(offsets, sizes)]
-            out = _flat_out(view)
-            aggregate_blocks(out, blocks, counts, s.codec, self._wire_dtype(info), 1.0 / self.world)
-            _store(view, out)
+            _store(view, self.sparse_kind.sum_into(_flat_out(view), item, blocks, counts))
