@@ -10,6 +10,19 @@ so that ``sum_t D(C(a_t)) + r_T == sum_t g_t`` exactly: nothing a rank computed 
 delayed. ``D(C(a))`` is what the wire really carried (after the cast to the wire value dtype), so the
 rounding of a float16 wire is fed back too.
 
+The contract every sender keeps, whatever the wire: ``a`` is always the compensated tensor ``g + r`` (the
+memory tensor itself, so ``r`` is updated in place), the residual is updated before anything is sent, and it
+becomes ``a`` minus exactly what the block carries. Three forms:
+
+- a selection (:class:`horovod_adtopk.sparsify.Sparsifier`, the low-bit sparse kinds of
+  :mod:`horovod_adtopk.payload`): :meth:`compensate`, select, then :meth:`update` at the sent positions
+  (``a - carried`` there; the unsent entries keep ``a``);
+- a dense rendering of the whole tensor (bfloat16, low-bit codes, an owner's shards): :meth:`carry`;
+- a fused kernel (plain error feedback only): :meth:`buffer` hands the residual to the selection kernel,
+  which adds ``g`` while it reads and zeroes what it sends when the wire carries it exactly (the
+  compressor's ``select(a, ..., grad=g, zero_sent=True)``); PowerSGD's ``a - P Q^T`` is its own kernel
+  (:mod:`horovod_adtopk.lowrank`).
+
 Momentum correction (DGC, Lin et al. 2018), ``momentum=m``: the memory accumulates the *velocity*::
 
     u_t = m * u_{t-1} + g_t ;  v_t = v_{t-1} + u_t ;  a_t = v_t
@@ -75,6 +88,15 @@ class ErrorFeedback:
         else:
             r.add_(g)
         return r
+
+    def carry(self, name: str, grad: torch.Tensor, encode) -> object:
+        """Error feedback around a dense rendering of the whole tensor (bfloat16, low-bit codes, an owner's
+        shards): ``a = g + r``; ``(block, carried) = encode(a)``; ``r <- a - carried`` (``carried``: what the
+        block carries, any dtype, ``a``'s number of entries). Returns the block."""
+        a = self.compensate(name, grad)
+        block, carried = encode(a)
+        a.sub_(carried.to(a.dtype).view(a.shape))
+        return block
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The residual of ``name`` (zeros the first time), for kernels that add the gradient themselves

@@ -210,11 +210,12 @@ class Bfloat16Gather(Kind):
         self.memory = memory
 
     def encode(self, item: Item) -> torch.Tensor:
-        a = item.data if self.memory is None else self.memory.compensate(item.name, item.data)
-        half = a.reshape(-1).to(torch.bfloat16)
-        if self.memory is not None:
-            a.sub_(half.to(a.dtype).view(a.shape))  # e <- a - what bfloat16 carries
-        return half.view(torch.uint8)
+        def to_bf16(a: torch.Tensor):
+            half = a.reshape(-1).to(torch.bfloat16)
+            return half.view(torch.uint8), half
+        if self.memory is None:
+            return to_bf16(item.data)[0]
+        return self.memory.carry(item.name, item.data, to_bf16)  # e <- a - what bfloat16 carries
 
     def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         info = item.info
@@ -237,11 +238,8 @@ class LowBitDenseGather(Kind):
         self._wires: Dict[str, QuantizedWire] = {}
 
     def encode(self, item: Item) -> torch.Tensor:
-        a = self.memory.compensate(item.name, item.data)
         wire = self._wires[item.name] = QuantizedWire.dense(self.bits, item.info.shape, self.group)
-        block, carried = wire.encode(a.reshape(-1))
-        a.sub_(carried.to(a.dtype).view(a.shape))
-        return block
+        return self.memory.carry(item.name, item.data, lambda a: wire.encode(a.reshape(-1)))
 
     def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         wire, info = self._wires.pop(item.name), item.info
@@ -266,9 +264,7 @@ class OwnerSharded(Kind):
     def contribution(self, item: Item) -> sharded.Contribution:
         plan, x = item.data
         if torch.is_tensor(x):  # dense low-bit: a = delta + beta e cut into shards of rows, e <- a - carried
-            a = self.memory.compensate(item.name, x)
-            blocks, carried = sharded.encode_dense(plan, a)
-            a.sub_(carried.to(a.dtype).view(a.shape))
+            blocks = self.memory.carry(item.name, x, lambda a: sharded.encode_dense(plan, a))
         else:  # a selection, encoded as the allgather path encodes it (the same error feedback)
             quantized = self.bits is not None
             blocks, carried = sharded.encode_sparse(plan, x.values if quantized else x.wire_values, x.wire_index)
