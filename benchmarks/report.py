@@ -708,7 +708,7 @@ def section_clean_exit() -> str:
     fw = sum(runs_by.get(label, 0) for label in frameworks)
     fw_bad = sum(r[2] + r[4] for r in rows if r[0] in frameworks)
     chance = (f"0 in {fw} launches of the two frameworks that aborted most would then happen by chance "
-              f"{100 * 0.8 ** fw:.2f}% of the time" if fw_bad == 0 else
+              f"{100 * 0.8 ** fw:.2g}% of the time" if fw_bad == 0 else
               f"the two frameworks that aborted most failed {fw_bad} of {fw} launches here")
     others = [n for label, n in runs_by.items() if label not in frameworks]
     few = "none" if not others else f"{min(others)} launches each" if min(others) == max(others) else \
