@@ -14,8 +14,8 @@ and every counter are identical.
 
 The set (``--runs`` picks some by name): the main job (Fashion-MNIST CNN, ADTopk 0.01), the GPT per step
 (AdamW, ADTopk 0.01), the GPT with the AdamW transformer recipe (ADTopk 0.25 on the pseudo-gradient of 4
-local steps, 2-bit values), local steps with 2-bit values on the CNN (Horovod and DDP engines), dense DiLoCo (outer Nesterov) with fp32 and
-with 2-bit dense codes, PowerSGD, the per-step sharded exchange, and the DDP engine; each at 2 and 3 ranks. Horovod's tensor fusion is off (``HOROVOD_FUSION_
+local steps, 2-bit values), local steps with 2-bit values on the CNN (Horovod and DDP engines), dense DiLoCo (outer Nesterov) with fp32, fp16
+and 2-bit dense codes, PowerSGD, the per-step sharded exchange, and the DDP engine; each at 2 and 3 ranks. Horovod's tensor fusion is off (``HOROVOD_FUSION_
 THRESHOLD=0``): with fusion a dense allreduce's summation order depends on where a tensor lands in the
 fusion buffer, which depends on timing, so fused runs need not repeat bitwise even at one commit. The
 hierarchical exchange needs two emulated hosts and is checked bitwise by ``tests/test_hierarchical.py``.
@@ -55,6 +55,7 @@ RUNS: Dict[str, tuple] = {
                                        "--outer-value-bits", "2"]),
     "cnn_diloco": ("horovod", CNN + ["--compressor", "none", "--sync-every", "3"]),
     "cnn_diloco_q2": ("horovod", CNN + ["--compressor", "none", "--sync-every", "3", "--outer-value-bits", "2"]),
+    "cnn_diloco_fp16": ("horovod", CNN + ["--compressor", "fp16", "--sync-every", "3"]),
     "cnn_powersgd": ("horovod", CNN + ["--compressor", "powersgd", "--powersgd-rank", "2"]),
     "cnn_sharded": ("horovod", CNN + ["--compressor", "adtopk", "--ratio", "0.01", "--exchange", "sharded"]),
     "cnn_ddp_adtopk01": ("ddp", CNN + ["--compressor", "adtopk", "--ratio", "0.01"]),

@@ -277,7 +277,7 @@ class LocalSteps(LocalStepsState):
                 kind, data = self._route(name, self.theta[name] - p.detach(), dense_round, world, active)
                 groups[kind][1].append(payload.Item(name, self.infos[name], data))
             if world == 1:
-                averages = {it.name: it.data[0].view(it.info.shape) for it in groups["dense"][1]}
+                averages = {it.name: it.data.view(it.info.shape) for it in groups["dense"][1]}
             else:
                 averages = payload.run(self.comm, self.stats, list(groups.values()))
             if average:  # the average as it is; the outer optimizer's state is left as it was
@@ -314,10 +314,7 @@ class LocalSteps(LocalStepsState):
         if low_bit and self.sparse and not self.sparse_path[name] and self.half_gather[name]:
             return "bf16", delta
         released = dense_contribution(self.memory, name, delta, self.sparse_path[name])
-        wire, ctx = (released if released is not None else delta), None
-        if self.dense_compression is not None and world > 1:
-            wire, ctx = self.dense_compression.compress(wire)
-        return "dense", (wire, ctx)
+        return "dense", released if released is not None else delta
 
     def _fitting_plan(self, name: str, selection, world: int) -> Optional[sharded.Plan]:
         """The owner-sharded plan of a selection (re-cut for a density warm-up's k), or None: it is gathered (no

@@ -87,22 +87,23 @@ def run(comm, stats, groups: Sequence[Tuple[Kind, List[Item]]]) -> Dict[str, tor
 # --- the local-steps exchange's kinds -----------------------------------------------------------------------------
 
 class DenseSum(Kind):
-    """A dense tensor (``data = (wire, ctx)``: fp32, or a dense compressor's rendering and its context), summed by
-    allreduce and divided by the ``active`` members (joined members add zeros)."""
+    """A dense tensor, rendered by a Horovod-style dense compressor when one is given (``compress`` /
+    ``decompress``: fp16), summed by allreduce and divided by the ``active`` members (joined members add zeros)."""
     prefix, collective = "hat.outer.dense", "allreduce"
 
     def __init__(self, world: int, active: int, compression=None) -> None:
         super().__init__(world)
         self.active, self.compression = active, compression
+        self._ctx: Dict[str, Any] = {}
 
     def encode(self, item: Item) -> torch.Tensor:
-        return item.data[0]
-
-    def entries(self, item: Item) -> int:
-        return item.data[0].numel()
+        if self.compression is None:
+            return item.data
+        wire, self._ctx[item.name] = self.compression.compress(item.data)
+        return wire
 
     def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        ctx = item.data[1]
+        ctx = self._ctx.pop(item.name, None)
         if ctx is not None:
             received = self.compression.decompress(received, ctx)
         return received.to(item.info.dtype).div_(self.active).view(item.info.shape)

@@ -55,7 +55,7 @@ def _run(comm, args) -> dict:
         for k in kinds:
             info = TensorInfo(f"{k}.{name}", SHAPES[name], int(np.prod(SHAPES[name])), torch.float32)
             t = torch.from_numpy(xs[name].copy())
-            groups[k][1].append(payload.Item(info.name, info, (t, None) if k == "dense" else t))
+            groups[k][1].append(payload.Item(info.name, info, t))
     stats = Stats()
     out = payload.run(comm, stats, list(groups.values()))
     tensors = stats.as_dict()["tensors"]
