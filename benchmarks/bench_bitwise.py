@@ -15,7 +15,8 @@ and every counter are identical.
 The set (``--runs`` picks some by name): the main job (Fashion-MNIST CNN, ADTopk 0.01), the GPT per step
 (AdamW, ADTopk 0.01), the GPT with the AdamW transformer recipe (ADTopk 0.25 on the pseudo-gradient of 4
 local steps, 2-bit values), local steps with 2-bit values on the CNN (Horovod and DDP engines), dense DiLoCo (outer Nesterov) with fp32, fp16
-and 2-bit dense codes, PowerSGD, the per-step sharded exchange, and the DDP engine; each at 2 and 3 ranks. Horovod's tensor fusion is off (``HOROVOD_FUSION_
+and 2-bit dense codes, PowerSGD, the per-step sharded exchange, the DDP engine, and a per-step float16 dense
+allreduce on both engines; each at 2 and 3 ranks. Horovod's tensor fusion is off (``HOROVOD_FUSION_
 THRESHOLD=0``): with fusion a dense allreduce's summation order depends on where a tensor lands in the
 fusion buffer, which depends on timing, so fused runs need not repeat bitwise even at one commit. The
 hierarchical exchange needs two emulated hosts and is checked bitwise by ``tests/test_hierarchical.py``.
@@ -61,6 +62,8 @@ RUNS: Dict[str, tuple] = {
     "cnn_ddp_adtopk01": ("ddp", CNN + ["--compressor", "adtopk", "--ratio", "0.01"]),
     "cnn_ddp_local_q2": ("ddp", CNN + ["--compressor", "adtopk", "--ratio", "0.05", "--sync-every", "3",
                                        "--outer-value-bits", "2"]),
+    "cnn_fp16": ("horovod", CNN + ["--compressor", "fp16"]),
+    "cnn_ddp_fp16": ("ddp", CNN + ["--compressor", "fp16"]),
 }
 STEPS = 8
 COUNTERS = ("step", "bytes_sent", "bytes_dense", "elements_sent", "elements_total", "wire_bytes_sent",

@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from . import lowrank, netcost, payload, sharded
+from . import lowrank, payload, sharded
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
@@ -58,29 +58,39 @@ def _wire_tensor(grad: torch.Tensor) -> torch.Tensor:
 
 
 class DenseExchange(Exchange):
+    """One dense gradient through its wire kind (:class:`horovod_adtopk.payload.DenseSum`: the dense compressor's
+    rendering) and Horovod's allreduce, which averages for ``hvd.Average``. ``bytes`` / ``wire``: what this rank
+    hands over and what its link carries."""
+
     def __init__(self, comm, p, grad: torch.Tensor, compression, name: str, op, scales) -> None:
-        self.params, self.comm, self.compression = (p,), comm, compression
-        tensor, self.ctx = compression.compress(_wire_tensor(grad))
-        self.bytes = payload_bytes(tensor)
+        self.params, self.comm = (p,), comm
+        self.kind = payload.DenseSum(comm.size(), compression=compression)
+        self.item = payload.Item(name, None, _wire_tensor(grad))
+        tensor = self.kind.encode(self.item)
+        self.bytes, self.wire = payload_bytes(tensor), self.kind.wire(tensor)
         self.handle = comm.allreduce_async_(tensor, f"hat.dense.{name}", op, *scales)
 
     def finish(self) -> None:
-        out = self.compression.decompress(self.comm.wait(self.handle), self.ctx)
-        store_grad(self.params[0].grad, out)
+        store_grad(self.params[0].grad, self.kind.decode(self.item, self.comm.wait(self.handle)))
 
 
 class GroupExchange(Exchange):
-    def __init__(self, comm, group: tuple, grads: List[torch.Tensor], compression, name: str, op, scales) -> None:
-        self.params, self.comm, self.compression = group, comm, compression
-        compressed = [compression.compress(_wire_tensor(g)) for g in grads]
-        self.ctx = [c for _, c in compressed]
-        self.bytes = [payload_bytes(t) for t, _ in compressed]
-        self.handle = comm.grouped_allreduce_async_([t for t, _ in compressed], f"hat.group.{name}", op, *scales)
+    """The dense gradients of one ``groups=`` group through :class:`horovod_adtopk.payload.DenseSum` and one
+    grouped allreduce; ``bytes`` / ``wire`` per gradient."""
+
+    def __init__(self, comm, group: tuple, grads: List[torch.Tensor], compression, names: List[str], op,
+                 scales) -> None:
+        self.params, self.comm = group, comm
+        self.kind = payload.DenseSum(comm.size(), compression=compression)
+        self.items = [payload.Item(n, None, _wire_tensor(g)) for n, g in zip(names, grads)]
+        tensors = [self.kind.encode(item) for item in self.items]
+        self.bytes, self.wire = [payload_bytes(t) for t in tensors], [self.kind.wire(t) for t in tensors]
+        self.handle = comm.grouped_allreduce_async_(tensors, f"hat.group.{names[0]}", op, *scales)
 
     def finish(self) -> None:
         outputs = self.comm.wait(self.handle)
-        for p, out, ctx in zip(self.params, outputs, self.ctx):
-            store_grad(p.grad, self.compression.decompress(out, ctx))
+        for p, out, item in zip(self.params, outputs, self.items):
+            store_grad(p.grad, self.kind.decode(item, out))
 
 
 class SparseGradExchange(Exchange):
@@ -141,14 +151,16 @@ class SharedExchange(Exchange):
 
 
 class ShardedExchange(Exchange):
-    """The owner-sharded two-stage exchange of one tensor (:mod:`horovod_adtopk.sharded`): stage 1 (the
-    all-to-all of this rank's shards) starts when the gradient is ready; :meth:`advance` waits for it, runs the
-    owner's step on this rank's shard (average, its own residual, ADTopk again, re-encode) and starts stage 2
-    (the allgather of the owners' blocks); :meth:`finish` decodes every owner's block into the gradient."""
+    """The owner-sharded two-stage exchange of one tensor through its wire kind
+    (:class:`horovod_adtopk.payload.OwnerSharded`): stage 1 (the all-to-all of this rank's shards) starts when
+    the gradient is ready; :meth:`advance` waits for it, runs the owner's step on this rank's shard (average,
+    its own residual, ADTopk again, re-encode) and starts stage 2 (the allgather of the owners' blocks);
+    :meth:`finish` decodes every owner's block into the gradient."""
 
-    def __init__(self, sender: "SparseSender", p, info: TensorInfo, plan, handle) -> None:
-        self.params, self.sender, self.info, self.plan, self.handle = (p,), sender, info, plan, handle
-        self.gather = None
+    def __init__(self, sender: "SparseSender", p, info: TensorInfo, plan, kind: payload.OwnerSharded,
+                 handle) -> None:
+        self.params, self.sender, self.info, self.plan, self.kind = (p,), sender, info, plan, kind
+        self.handle, self.gather = handle, None
 
     def advance(self) -> None:
         start = time.perf_counter()
@@ -156,12 +168,9 @@ class ShardedExchange(Exchange):
         comm = sender.comm
         received, _ = comm.wait(self.handle)
         world, rank = comm.size(), comm.rank()
-        mine = plan.block_sizes()[rank]
-        blocks = [received[r * mine:(r + 1) * mine] for r in range(world)]
-        block, sender.owner[name] = sharded.owner_step(plan, rank, blocks, sender.owner.get(name),
-                                                       sender.average_scale(), self.params[0].grad.dtype)
-        self.gather = comm.allgather_async(sharded.pad_block(plan, block),
-                                           sharded.collective_name(f"hat.owners.{name}", [plan]))
+        (blocks,) = sharded.unpack_alltoall(received, [plan.block_sizes()[rank]], world)
+        block = self.kind.owner_block(name, plan, rank, blocks, sender.average_scale(), self.params[0].grad.dtype)
+        self.gather = comm.allgather_async(block, sharded.collective_name(f"hat.owners.{name}", [plan]))
         sender.timed(name, 0, time.perf_counter() - start)
 
     def finish(self) -> None:
@@ -172,8 +181,7 @@ class ShardedExchange(Exchange):
         grad = self.params[0].grad
         dense = grad.view(-1) if grad.is_contiguous() else torch.empty(self.info.numel, dtype=grad.dtype,
                                                                          device=grad.device)
-        sharded.assemble(self.plan, gathered, dense.zero_())
-        store_grad(grad, dense)
+        store_grad(grad, self.kind.assemble(self.plan, gathered, dense))
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 
@@ -238,14 +246,13 @@ class SparseSender:
                 plan = sharded.plan_sparse(info.name, layout, None, None, self.comm.size(), wire_dtype,
                                            s.codec.index_dtype)  # a density warm-up's k
             if plan is not None:
-                blocks, _ = sharded.encode_sparse(plan, s.wire_values, s.wire_index)
+                kind = payload.OwnerSharded(self.comm.size(), None, None, self.owner)
+                blocks = kind.contribution(payload.Item(info.name, info, (plan, s))).blocks
                 handle = self.comm.alltoall_async(torch.cat(blocks), [b.numel() for b in blocks],
                                                   sharded.collective_name(f"hat.shards.{info.name}", [plan]))
-                sizes = plan.block_sizes()
-                wire = sharded.wire(sizes, self.comm.rank(), self.comm.size())
-                exchange = ShardedExchange(self, p, info, plan, handle)
-                return exchange, (info.name, info.numel, s.values.numel(), sum(sizes), wire,
-                                  time.perf_counter() - start)
+                sent, wire = kind.traffic(plan, self.comm.rank())
+                exchange = ShardedExchange(self, p, info, plan, kind, handle)
+                return exchange, (info.name, info.numel, s.values.numel(), sent, wire, time.perf_counter() - start)
         item = payload.Item(info.name, info, s)
         if isinstance(s.codec, SharedCodec):  # Random-k: summed by Horovod (Average: postscale / size)
             kind = payload.SharedSum(self.comm.size())
@@ -264,7 +271,7 @@ class SparseSender:
             exchange = SparseExchange(self, p, item, kind, handle, count_handle)
             sent, wire = payload_bytes(block), kind.wire(block)
             if count_handle is not None:
-                sent, wire = sent + COUNT_BYTES, wire + netcost.allgather(COUNT_BYTES, self.comm.size())
+                sent, wire = sent + COUNT_BYTES, wire + kind.wire_of(COUNT_BYTES)
         return exchange, (info.name, info.numel, s.values.numel(), sent, wire, time.perf_counter() - start)
 
     def scrub_nonfinite(self) -> int:

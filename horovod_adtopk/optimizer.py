@@ -199,9 +199,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return self._sender.send(p, grad, self._infos[name], self._round)
         grad = self._intake.dense(name, p, grad, self._sparse_path.get(name, False))
         exchange = DenseExchange(self._comm, p, grad, self._dense_compression, name, self.op, self._scales())
-        world = self._comm.size()
-        self._stats.record(name, p.numel(), p.numel(), exchange.bytes, wire=netcost.allreduce(exchange.bytes, world),
-                           world=world)
+        self._stats.record(name, p.numel(), p.numel(), exchange.bytes, wire=exchange.wire, world=self._comm.size())
         return exchange
 
     def _submit_group(self, group: tuple) -> None:
@@ -209,10 +207,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         names = [self._parameter_names[p] for p in group]
         grads = [self._intake.dense(n, p, self._intake.take(p), self._sparse_path.get(n, False))
                  for n, p in zip(names, group)]
-        exchange = GroupExchange(self._comm, group, grads, self._dense_compression, names[0], self.op, self._scales())
-        world = self._comm.size()
-        for n, p, nbytes in zip(names, group, exchange.bytes):
-            self._stats.record(n, p.numel(), p.numel(), nbytes, wire=netcost.allreduce(nbytes, world), world=world)
+        exchange = GroupExchange(self._comm, group, grads, self._dense_compression, names, self.op, self._scales())
+        for n, p, nbytes, wire in zip(names, group, exchange.bytes, exchange.wire):
+            self._stats.record(n, p.numel(), p.numel(), nbytes, wire=wire, world=self._comm.size())
             self._handles.pop(p, None)
         self._handles[group] = exchange
         self._group_ready[group] = 0

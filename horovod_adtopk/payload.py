@@ -15,8 +15,12 @@ through :meth:`horovod_adtopk.stats.Stats.traffic` with the wire bytes of the co
 an all-to-all, then an allgather) provides ``run_kind`` instead and is called with all its tensors at once.
 
 A new wire kind (an int8 dense wire, a two-stage compressed allreduce, a whole-bucket selection's packed
-buffer) is a new class handed to :func:`run`; no engine changes. The kinds here are those of the local-steps
-exchange (:mod:`horovod_adtopk.local_steps`).
+buffer) is a new class handed to :func:`run`; no engine changes. The local-steps exchange
+(:mod:`horovod_adtopk.local_steps`) runs every tensor through :func:`run`. The per-step engines issue their
+own asynchronous collectives (from gradient hooks, fused per DDP bucket) and encode, decode and count
+through the same kinds: :class:`DenseSum`, :class:`SparseGather`, :class:`SharedSum` and
+:class:`OwnerSharded` (:mod:`horovod_adtopk.exchange`, :mod:`horovod_adtopk.hierarchical`,
+:mod:`horovod_adtopk.ddp.bucket`).
 """
 from __future__ import annotations
 
@@ -35,10 +39,11 @@ from .wire import pack, payload_bytes
 
 @dataclass
 class Item:
-    """One tensor's contribution: its name, its :class:`TensorInfo` and what the kind encodes (a dense tensor, a
-    selection, ``(wire, ctx)`` of a dense compressor)."""
+    """One tensor's contribution: its name, its :class:`TensorInfo` (None where the engine has none: a dense
+    gradient, a DDP bucket's concatenated dense gradients) and what the kind encodes (a dense tensor, a
+    selection, ``(plan, selection)`` of the owner-sharded exchange)."""
     name: str
-    info: TensorInfo
+    info: Optional[TensorInfo]
     data: Any
 
 
@@ -61,7 +66,10 @@ class Kind:
         raise NotImplementedError
 
     def wire(self, block: torch.Tensor) -> netcost.Wire:
-        nbytes = payload_bytes(block)
+        return self.wire_of(payload_bytes(block))
+
+    def wire_of(self, nbytes: int) -> netcost.Wire:
+        """What a rank's link carries when each rank hands ``nbytes`` to this kind's collective."""
         return netcost.allreduce(nbytes, self.world) if self.collective == "allreduce" else \
             netcost.allgather(nbytes, self.world)
 
@@ -88,10 +96,13 @@ def run(comm, stats, groups: Sequence[Tuple[Kind, List[Item]]]) -> Dict[str, tor
 
 class DenseSum(Kind):
     """A dense tensor, rendered by a Horovod-style dense compressor when one is given (``compress`` /
-    ``decompress``: fp16), summed by allreduce and divided by the ``active`` members (joined members add zeros)."""
+    ``decompress``: fp16), summed by allreduce. Every engine's dense path encodes and decodes through it: the
+    Horovod per-step exchange (one tensor or a group; Horovod's op averages), the DDP bucket (its dense gradients
+    concatenated; divided by the world before :meth:`decode`) and local steps (:func:`run`: :meth:`finish`
+    divides by the ``active`` members, joined members add zeros)."""
     prefix, collective = "hat.outer.dense", "allreduce"
 
-    def __init__(self, world: int, active: int, compression=None) -> None:
+    def __init__(self, world: int, active: Optional[int] = None, compression=None) -> None:
         super().__init__(world)
         self.active, self.compression = active, compression
         self._ctx: Dict[str, Any] = {}
@@ -102,11 +113,14 @@ class DenseSum(Kind):
         wire, self._ctx[item.name] = self.compression.compress(item.data)
         return wire
 
+    def decode(self, item: Item, received: torch.Tensor) -> torch.Tensor:
+        """What arrived for ``item``, decompressed (no averaging: the engine's collective or caller does it)."""
+        if self.compression is None:
+            return received
+        return self.compression.decompress(received, self._ctx.pop(item.name))
+
     def finish(self, item: Item, block: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        ctx = self._ctx.pop(item.name, None)
-        if ctx is not None:
-            received = self.compression.decompress(received, ctx)
-        return received.to(item.info.dtype).div_(self.active).view(item.info.shape)
+        return self.decode(item, received).to(item.info.dtype).div_(self.active).view(item.info.shape)
 
 
 class SparseGather(Kind):
@@ -254,7 +268,13 @@ class OwnerSharded(Kind):
     """The owner-sharded exchange (:mod:`horovod_adtopk.sharded`): each tensor cut into its owners' shards (an
     item's ``data`` is ``(plan, selection)`` for a sparse tensor, ``(plan, delta)`` for a dense low-bit one),
     one all-to-all for all of them, each owner averages, re-selects with its own residual and re-encodes its
-    shard, then an allgather of the owners' blocks. ``owner``: this rank's owner residuals, updated in place."""
+    shard, then an allgather of the owners' blocks. ``owner``: this rank's owner residuals, updated in place.
+
+    :meth:`run_kind` runs both stages (local steps); the per-step engines issue the collectives themselves,
+    asynchronously, around the same pieces: :meth:`contribution` (the blocks of stage 1),
+    :func:`horovod_adtopk.sharded.pack_alltoall` / ``unpack_alltoall`` (several tensors in one all-to-all),
+    :meth:`owner_block` (the owner's step and stage 2's block), :meth:`assemble` (the update from stage 2) and
+    :meth:`traffic` (the bytes)."""
     prefix = "hat.outer.sharded"
 
     def __init__(self, world: int, bits: Optional[int], memory: Optional[ErrorFeedback],
@@ -273,13 +293,38 @@ class OwnerSharded(Kind):
                 self.memory.update(item.name, x.flat, x.values - carried.to(x.values.dtype))
         return sharded.Contribution(plan, blocks, item.info.dtype, item.info.numel)
 
+    def owner_block(self, name: str, plan: sharded.Plan, rank: int, received: List[torch.Tensor], scale: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The owner's step on this rank's shard of ``name`` (every source's block in rank order, summed times
+        ``scale``, this rank's owner residual added, re-selected and re-encoded; the residual kept): the block
+        this rank hands to stage 2's allgather, padded to the widest owner's."""
+        block, self.owner[name] = sharded.owner_step(plan, rank, received, self.owner.get(name), scale, dtype)
+        return sharded.pad_block(plan, block)
+
+    @staticmethod
+    def assemble(plan: sharded.Plan, gathered: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (flat, overwritten): every owner's block of ``gathered`` decoded, zeros elsewhere."""
+        return sharded.assemble(plan, gathered, out.zero_())
+
+    def traffic(self, plan: sharded.Plan, rank: int) -> Tuple[int, netcost.Wire]:
+        """The bytes of the shards this rank hands over (payload) and what its link carries in both stages."""
+        sizes = plan.block_sizes()
+        return sum(sizes), sharded.wire(sizes, rank, self.world)
+
     def run_kind(self, comm, stats, items: List[Item]) -> Dict[str, torch.Tensor]:
-        parts = {it.name: self.contribution(it) for it in items}
-        updates, wires = sharded.exchange(comm, parts, self.owner, self.prefix)
+        rank = comm.rank()
+        parts = [self.contribution(it) for it in items]
+        send, splits, mine = sharded.pack_alltoall([p.blocks for p in parts], self.world, rank)
+        got = comm.alltoall(send, splits, [sum(mine)] * self.world,
+                            sharded.collective_name(self.prefix + ".shards", [p.plan for p in parts]))
+        padded = [self.owner_block(it.name, p.plan, rank, received, 1.0 / self.world, p.dtype)
+                  for it, p, received in zip(items, parts, sharded.unpack_alltoall(got, mine, self.world))]
+        gathered = comm.gather_tensors(padded, [f"{self.prefix}.owners.{it.name}" for it in items])
         out = {}
-        for it in items:
-            plan, part = parts[it.name].plan, parts[it.name]
-            count = sum((hi - lo) for lo, hi in plan.bounds) * plan.k
-            stats.traffic(it.name, count, sum(b.numel() for b in part.blocks), wires[it.name])
-            out[it.name] = updates[it.name].view(it.info.shape)
+        for it, p, buf in zip(items, parts, gathered):
+            _, wire = self.traffic(p.plan, rank)
+            count = sum((hi - lo) for lo, hi in p.plan.bounds) * p.plan.k
+            stats.traffic(it.name, count, sum(b.numel() for b in p.blocks), wire)
+            update = self.assemble(p.plan, buf, torch.empty(p.numel, dtype=p.dtype, device=buf.device))
+            out[it.name] = update.view(it.info.shape)
         return out

@@ -25,13 +25,14 @@ divided by ``W``): the invariant ``sum of applied updates + sum_j o_j = sum of t
 holds exactly, so nothing is lost by the second compression. ``feedback_decay`` applies to the ranks' own
 residuals only; the owners' are lossless.
 
-Nothing here imports Horovod or ``torch.distributed``. Local steps hand :func:`exchange` a communicator with
-``size()``, ``rank()``, ``alltoall(tensor, send_splits, recv_splits, name)`` and ``gather_tensors`` (one
-all-to-all for every sharded tensor of a sync). The per-step engines run the stages with their own
-asynchronous collectives around :func:`encode_sparse`, :func:`owner_step`, :func:`pad_block` and
-:func:`assemble`: :class:`horovod_adtopk.exchange.ShardedExchange` (Horovod: one all-to-all per tensor from its
-gradient hook, the owner's step and the allgather in ``advance()``) and the DDP bucket (one all-to-all per
-bucket, waited for in the hook, one asynchronous allgather).
+Nothing here imports Horovod or ``torch.distributed`` or calls a collective: this module is the arithmetic
+(plans, shard encoding, the owner's step, the assembly, the bytes). Its wire kind,
+:class:`horovod_adtopk.payload.OwnerSharded`, is what every engine hands its sharded tensors to: local steps
+run both stages through it in one call (one all-to-all for every sharded tensor of a sync); the per-step
+engines run the stages with their own asynchronous collectives around the kind's pieces:
+:class:`horovod_adtopk.exchange.ShardedExchange` (Horovod: one all-to-all per tensor from its gradient hook,
+the owner's step and the allgather in ``advance()``) and the DDP bucket (one all-to-all per bucket, waited
+for in the hook, one asynchronous allgather).
 """
 from __future__ import annotations
 
@@ -262,39 +263,25 @@ def owner_step(plan: Plan, j: int, received: List[torch.Tensor], residual: Optio
     return block, left
 
 
-def exchange(comm, parts: Dict[str, Contribution], residuals: Dict[str, torch.Tensor], name: str
-             ) -> Tuple[Dict[str, torch.Tensor], Dict[str, netcost.Wire]]:
-    """Both stages for every tensor of ``parts`` (in the dict's order, the same on every rank).
+def pack_alltoall(blocks: Sequence[List[torch.Tensor]], world: int, rank: int
+                  ) -> Tuple[torch.Tensor, List[int], List[int]]:
+    """Stage 1's buffer for several tensors' blocks (``blocks[t][j]``: tensor ``t``'s block for owner ``j``):
+    destination ``j`` receives each tensor's block ``j``, in tensor order. Returns the buffer, its splits per
+    destination, and the size of each tensor's block that this rank owns (what every source sends it)."""
+    send = torch.cat([b[j] for j in range(world) for b in blocks])
+    splits = [sum(b[j].numel() for b in blocks) for j in range(world)]
+    return send, splits, [b[rank].numel() for b in blocks]
 
-    ``residuals``: this rank's owner residuals (updated in place; missing ones start at zero). Returns every
-    tensor's averaged update (flat, its dtype; the same bits on every rank) and this rank's wire bytes."""
-    world, rank = comm.size(), comm.rank()
-    names = list(parts)
-    # stage 1: one all-to-all for every tensor; destination j receives each tensor's shard j, tensor order
-    send = [parts[t].blocks[j] for j in range(world) for t in names]
-    send_splits = [sum(parts[t].blocks[j].numel() for t in names) for j in range(world)]
-    mine = [parts[t].blocks[rank].numel() for t in names]
-    got = comm.alltoall(torch.cat(send), send_splits, [sum(mine)] * world,
-                        collective_name(name + ".shards", [parts[t].plan for t in names]))
-    owned: Dict[str, List[torch.Tensor]] = {t: [] for t in names}
+
+def unpack_alltoall(got: torch.Tensor, mine: Sequence[int], world: int) -> List[List[torch.Tensor]]:
+    """Stage 1's received buffer cut per tensor into every source's block, in rank order."""
+    owned: List[List[torch.Tensor]] = [[] for _ in mine]
     offset = 0
     for _src in range(world):
-        for t, size in zip(names, mine):
+        for t, size in enumerate(mine):
             owned[t].append(got[offset:offset + size])
             offset += size
-    # the owner's step, then stage 2: one allgather per tensor of the owners' blocks, padded to the widest
-    padded = []
-    for t in names:
-        p = parts[t]
-        block, residuals[t] = owner_step(p.plan, rank, owned[t], residuals.get(t), 1.0 / world, p.dtype)
-        padded.append(pad_block(p.plan, block))
-    gathered = comm.gather_tensors(padded, [f"{name}.owners.{t}" for t in names])
-    updates, wires = {}, {}
-    for t, buf in zip(names, gathered):
-        p = parts[t]
-        updates[t] = assemble(p.plan, buf, torch.zeros(p.numel, dtype=p.dtype, device=buf.device))
-        wires[t] = wire(p.plan.block_sizes(), rank, world)
-    return updates, wires
+    return owned
 
 
 def pad_block(plan: Plan, block: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 import torch
 
-from .. import netcost, payload, sharded
+from .. import payload, sharded
 from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, payload_bytes
@@ -130,12 +130,12 @@ class BucketExchange:
         if not self.dense:
             self.dense_wire = None
             return
-        flat = torch.cat([v.reshape(-1) for v, _ in self.dense])
-        compression = self.state.dense_compression
-        self.dense_wire, self.dense_ctx = compression.compress(flat) if compression is not None else (flat, None)
+        self.dense_kind = payload.DenseSum(self.world, compression=self.state.dense_compression)
+        self.dense_item = payload.Item("hat.ddp.dense", None, torch.cat([v.reshape(-1) for v, _ in self.dense]))
+        self.dense_wire = self.dense_kind.encode(self.dense_item)
         for v, name in self.dense:
             nbytes = v.numel() * self.dense_wire.element_size()
-            self.state.stats_.record(name, v.numel(), v.numel(), nbytes, wire=netcost.allreduce(nbytes, self.world),
+            self.state.stats_.record(name, v.numel(), v.numel(), nbytes, wire=self.dense_kind.wire_of(nbytes),
                                      world=self.world)
         self.futures.append(self.comm.allreduce_async(self.dense_wire))
 
@@ -147,8 +147,8 @@ class BucketExchange:
         values = [kind.encode(item) for item in self.shared_items]
         self.shared_wire = torch.cat(values)
         for (_, info, _), v in zip(self.shared, values):
-            self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v),
-                                     wire=netcost.allreduce(payload_bytes(v), self.world), world=self.world)
+            self.state.stats_.record(info.name, info.numel, v.numel(), payload_bytes(v), wire=kind.wire(v),
+                                     world=self.world)
         self.futures.append(self.comm.allreduce_async(self.shared_wire))
 
     def _launch_sparse(self) -> None:
@@ -173,37 +173,29 @@ class BucketExchange:
         padding = self.row_bytes - sum(payload_bytes(b) for b in blocks)
         for i, ((view, info, s), block) in enumerate(zip(self.sparse, blocks)):
             sent = payload_bytes(block) + (COUNT_BYTES if self.variable else 0)
-            wire = netcost.allgather(sent + (padding if i == 0 else 0), self.world)
+            wire = self.sparse_kind.wire_of(sent + (padding if i == 0 else 0))
             self.state.stats_.record(info.name, info.numel, s.values.numel(), sent, wire=wire, world=self.world)
         self.gathered = torch.empty(self.world * self.row_bytes, dtype=torch.uint8, device=local.device)
         self.futures.append(self.comm.gather_async(self.gathered, local))
 
     def _launch_sharded(self) -> None:
-        """The owner-sharded exchange of the bucket's sharded tensors (:mod:`horovod_adtopk.sharded`): one
-        all-to-all of every tensor's shards, waited for here (the owner's step needs it, and every collective is
-        issued from this thread), the owner's step, then one asynchronous allgather of the owners' blocks."""
+        """The owner-sharded exchange of the bucket's sharded tensors through their wire kind
+        (:class:`horovod_adtopk.payload.OwnerSharded`): one all-to-all of every tensor's shards, waited for here
+        (the owner's step needs it, and every collective is issued from this thread), the owner's step, then one
+        asynchronous allgather of the owners' blocks."""
         if not self.sharded:
             return
         rank = self.comm.rank()
-        blocks = [sharded.encode_sparse(plan, s.wire_values, s.wire_index)[0] for _, _, s, plan in self.sharded]
-        send = torch.cat([b[j] for j in range(self.world) for b in blocks])
-        splits = [sum(b[j].numel() for b in blocks) for j in range(self.world)]
-        mine = [b[rank].numel() for b in blocks]
+        self.sharded_kind = kind = payload.OwnerSharded(self.world, None, None, self.state.owner)
+        blocks = [kind.contribution(payload.Item(info.name, info, (plan, s))).blocks
+                  for _, info, s, plan in self.sharded]
+        send, splits, mine = sharded.pack_alltoall(blocks, self.world, rank)
         got = self.comm.alltoall(send, splits, [sum(mine)] * self.world, "hat.ddp.shards")
-        owned = [[] for _ in self.sharded]
-        offset = 0
-        for _src in range(self.world):
-            for i, size in enumerate(mine):
-                owned[i].append(got[offset:offset + size])
-                offset += size
         padded = []
-        for i, (view, info, s, plan) in enumerate(self.sharded):
-            block, self.state.owner[info.name] = sharded.owner_step(plan, rank, owned[i], self.state.owner.get(info.name),
-                                                                    1.0 / self.world, view.dtype)
-            padded.append(sharded.pad_block(plan, block))
-            sizes = plan.block_sizes()
-            self.state.stats_.record(info.name, info.numel, s.values.numel(), sum(sizes),
-                                     wire=sharded.wire(sizes, rank, self.world), world=self.world)
+        for (view, info, s, plan), received in zip(self.sharded, sharded.unpack_alltoall(got, mine, self.world)):
+            padded.append(kind.owner_block(info.name, plan, rank, received, 1.0 / self.world, view.dtype))
+            sent, wire = kind.traffic(plan, rank)
+            self.state.stats_.record(info.name, info.numel, s.values.numel(), sent, wire=wire, world=self.world)
         local = torch.cat(padded)
         self.owner_widths = [p.numel() for p in padded]
         self.owners = torch.empty(self.world * local.numel(), dtype=torch.uint8, device=local.device)
@@ -215,8 +207,7 @@ class BucketExchange:
         rows = self.owners.view(self.world, -1)
         offset = 0
         for (view, info, s, plan), width in zip(self.sharded, self.owner_widths):
-            out = _flat_out(view)
-            sharded.assemble(plan, rows[:, offset:offset + width].reshape(-1), out.zero_())
+            out = self.sharded_kind.assemble(plan, rows[:, offset:offset + width].reshape(-1), _flat_out(view))
             _store(view, out)
             offset += width
 
@@ -250,9 +241,7 @@ class BucketExchange:
     def _finish_dense(self) -> None:
         if self.dense_wire is None:
             return
-        reduced = self.dense_wire.div_(self.world)
-        compression = self.state.dense_compression
-        flat = compression.decompress(reduced, self.dense_ctx) if compression is not None else reduced
+        flat = self.dense_kind.decode(self.dense_item, self.dense_wire.div_(self.world))
         offset = 0
         for view, _ in self.dense:
             n = view.numel()
