@@ -87,6 +87,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import common
+from common import csv_floats, csv_ints, csv_list
 
 REPO = common.REPO_ROOT
 TRAIN = common.EXAMPLES_DIR / "train.py"
@@ -98,18 +99,6 @@ DEFAULT_SEEDS = (1, 2, 3)
 QUICK = {"np": 2, "datasets": ["fashion-mnist"], "methods": ["dense", "adtopk", "topk", "powersgd1"],
          "ratios": [0.01], "seeds": [1, 2], "max_steps_fashion": 40, "eval_points": 2, "run_timeout": 120.0,
          "test_batches": 2, "dense_rounds": 5, "density_warmup": 10}
-
-
-def csv_list(text: str) -> List[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def csv_floats(text: str) -> List[float]:
-    return [float(t) for t in csv_list(text)]
-
-
-def csv_ints(text: str) -> List[int]:
-    return [int(t) for t in csv_list(text)]
 
 
 def canonical_method(name: str) -> str:

@@ -9,6 +9,7 @@ What is here:
 
 - :func:`machine_info`: CPU model, core counts, memory, versions, for every benchmark's JSON;
 - :func:`ms`, :func:`fmt`, :func:`ratio`, :func:`table`: number formatting and plain-text tables;
+  :func:`csv_list`, :func:`csv_ints`, :func:`csv_floats`: comma-separated options;
 - :func:`write_json`: write a report (parent folders created);
 - :func:`write_record`: write a benchmark record with the command, the commit (:func:`git_commit`), the date
   and the machine: every script whose JSON a table of ``docs/results.md`` reads writes it through this;
@@ -121,6 +122,19 @@ def fmt(value: Any, spec: str, none: str = "-") -> str:
 
 def ratio(num: float, den: float, spec: str = ".2f") -> str:
     return format(num / den, spec) if den > 0 else "-"
+
+
+def csv_list(text: str) -> List[str]:
+    """A comma-separated command-line value as a list (blanks dropped): ``type=csv_list`` in argparse."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def csv_ints(text: str) -> List[int]:
+    return [int(t) for t in csv_list(text)]
+
+
+def csv_floats(text: str) -> List[float]:
+    return [float(t) for t in csv_list(text)]
 
 
 def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

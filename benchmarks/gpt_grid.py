@@ -273,9 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt",
                     help="gpt: Shakespeare characters, AdamW (val loss); cnn: Fashion-MNIST, SGD (test accuracy)")
     ap.add_argument("--group", choices=sorted(GROUPS), default="transformer")
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
+    ap.add_argument("--methods", type=common.csv_list, default=None,
                     help=f"comma-separated, instead of --group: {', '.join(METHODS)}")
-    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument("--seeds", type=common.csv_ints, default=[1, 2])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=200)
