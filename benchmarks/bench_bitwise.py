@@ -40,7 +40,6 @@ from typing import Dict, List, Optional
 import common
 
 REPO = common.REPO_ROOT
-BIN = Path(sys.executable).parent
 QUICK = ["--no-progress", "--log-every", "0", "--test-batches", "1", "--no-warmup"]
 CNN = ["--dataset", "fashion-mnist", "--model", "cnn", "--train-samples", "2048"]
 GPT = ["--dataset", "shakespeare", "--model", "gpt", "--train-samples", "4096", "--gpt-layers", "2"]
@@ -83,12 +82,6 @@ def params_digest(ckpt_path: Path) -> str:
     return h.hexdigest()
 
 
-def launch(engine: str, world: int, job: List[str]) -> List[str]:
-    if engine == "ddp":
-        return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(world), *job, "--engine", "ddp"]
-    return [common.HOROVODRUN, "-np", str(world), "--gloo", sys.executable, *job]
-
-
 def record(checkout: Path, names: List[str], worlds: List[int], timeout: float) -> Dict[str, dict]:
     """Run every setting at every world size from ``checkout``; name -> digest and counters."""
     out: Dict[str, dict] = {}
@@ -101,7 +94,7 @@ def record(checkout: Path, names: List[str], worlds: List[int], timeout: float) 
                 summary, ckpt_dir = Path(tmp) / "summary.json", Path(tmp) / "ckpt"
                 job = [str(checkout / "examples" / "train.py"), *flags, *QUICK, "--max-steps", str(STEPS),
                        "--seed", "7", "--checkpoint-dir", str(ckpt_dir), "--summary-json", str(summary)]
-                rc, log, seconds = common.run_command(launch(engine, world, job), timeout, env=env, cwd=checkout)
+                rc, log, seconds = common.run_command(common.launch_ranks(world, job, engine), timeout, env=env, cwd=checkout)
                 if rc != 0 or not summary.exists():
                     out[key] = {"error": f"exit {rc}", "log_tail": log[-3000:]}
                     print(f"{key}: FAILED (exit {rc})\n{log[-3000:]}", flush=True)

@@ -52,8 +52,10 @@ charged at the final ratio's step time: an underestimate there). Measured wall t
 are reported too, but they measure oversubscribed compute, not a network.
 
 Outputs in ``--out-dir`` (default ``bench_results/convergence``): ``<run>.jsonl`` (train.py's own),
-``logs/``, ``runs/<run>.json`` (one record per run, with its evaluation points), ``curves/<run>.jsonl``,
-``summary.json`` (machine, settings, groups, verdicts), ``table.md`` (the markdown table and verdicts) and
+``logs/``, ``runs/<run>.json`` (one record per run, with its evaluation points; ``common.write_record``
+adds the launch as its command, the commit, the date and the machine, ``launched_by`` is this script's command
+line), ``curves/<run>.jsonl``, ``summary.json`` (a record too: machine, settings, groups, verdicts),
+``table.md`` (the markdown table and verdicts) and
 per (dataset, ratio, warm-up) setting one PNG with three panels, test metric vs epoch, vs bytes sent and vs
 modelled wall time, mean over seeds with a +-1 std band (dense and PowerSGD appear in every setting of
 their dataset). Finally the verdict lines of the targets, met / missed with the numbers (reported, not
@@ -73,7 +75,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shlex
 import shutil
@@ -86,7 +87,7 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import common
-from common import HOROVODRUN, run_command
+from common import csv_floats, csv_ints, csv_list
 
 REPO = common.REPO_ROOT
 TRAIN = common.EXAMPLES_DIR / "train.py"
@@ -98,18 +99,6 @@ DEFAULT_SEEDS = (1, 2, 3)
 QUICK = {"np": 2, "datasets": ["fashion-mnist"], "methods": ["dense", "adtopk", "topk", "powersgd1"],
          "ratios": [0.01], "seeds": [1, 2], "max_steps_fashion": 40, "eval_points": 2, "run_timeout": 120.0,
          "test_batches": 2, "dense_rounds": 5, "density_warmup": 10}
-
-
-def csv_list(text: str) -> List[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
-
-
-def csv_floats(text: str) -> List[float]:
-    return [float(t) for t in csv_list(text)]
-
-
-def csv_ints(text: str) -> List[int]:
-    return [int(t) for t in csv_list(text)]
 
 
 def canonical_method(name: str) -> str:
@@ -330,10 +319,6 @@ def evaluate_checkpoint(path: Path, test_set, vocab: Optional[int], world: int, 
 # Runs
 # ---------------------------------------------------------------------------------------------------------
 
-# ---------------------------------------------------------------------------------------------------------
-# Runs
-# ---------------------------------------------------------------------------------------------------------
-
 def train_dataset(dataset: str) -> str:
     return "fashion-mnist" if dataset.startswith("fashion-mnist") else dataset
 
@@ -438,7 +423,7 @@ def plan_runs(args) -> List[dict]:
             argv += ["--checkpoint-dir", str(ckpt_dir), "--checkpoint-every", str(every), "--keep-checkpoints", "0"]
         if args.channel_stats:
             argv += ["--channel-stats", str(args.out_dir / "channels" / f"{name}.json")]
-        cmd = [HOROVODRUN, "-np", str(args.np), "--gloo", sys.executable, str(TRAIN)] + argv
+        cmd = common.launch_ranks(args.np, [TRAIN, *argv])
         plans.append(dict(run, name=name, cmd=cmd, total_steps=total, steps_per_epoch=spe[run["dataset"]],
                           checkpoint_every=every, ckpt_dir=ckpt_dir if every else None,
                           dense_rounds=args.dense_rounds if run["warmup"] else 0,
@@ -457,12 +442,6 @@ def plan_runs(args) -> List[dict]:
     return plans
 
 
-def portable(text: str) -> str:
-    """A command line without this machine's paths (the repository root becomes '.', the interpreter 'python')."""
-    text = text.replace(sys.executable, "python").replace(str(REPO) + "/", "").replace(str(REPO), ".")
-    return re.sub(r"\S*/bin/horovodrun", "horovodrun", text)
-
-
 def execute_run(args, plan: dict) -> dict:
     out = args.out_dir
     name = plan["name"]
@@ -470,26 +449,23 @@ def execute_run(args, plan: dict) -> dict:
     log_path = out / "logs" / f"{name}.log"
     curve_path = out / "curves" / f"{name}.jsonl"
     record_path = out / "runs" / f"{name}.json"
-    cmd_text = shlex.join(plan["cmd"])
 
     if args.reuse and record_path.is_file():
         try:
             old = json.loads(record_path.read_text())
         except json.JSONDecodeError:
             old = None
-        if old and old.get("command") == portable(cmd_text) and old.get("status") == "ok" \
+        if old and old.get("command") == common.command_text(plan["cmd"]) and old.get("status") == "ok" \
                 and old.get("settings") == json.loads(json.dumps(plan["settings"])):
             old["reused"] = True
             return old
 
-    for path in (metrics_path, curve_path):
+    for path in (metrics_path, curve_path, log_path):
         if path.exists():
             path.unlink()
     if plan["ckpt_dir"] is not None and plan["ckpt_dir"].exists():
         shutil.rmtree(plan["ckpt_dir"])
-    rc, output, seconds = run_command(plan["cmd"], timeout=args.run_timeout)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text(f"$ {portable(cmd_text)}\n{output}")
+    rc, output, seconds = common.run_command(plan["cmd"], timeout=args.run_timeout, log_path=log_path)
     status = "ok" if rc == 0 else ("timeout" if rc is None else f"failed (rc {rc})")
     records = read_jsonl(metrics_path)
     for r in records:
@@ -537,49 +513,30 @@ def execute_run(args, plan: dict) -> dict:
     row = {k: plan[k] for k in ("name", "dataset", "method", "ratio", "warmup", "seed", "total_steps",
                                 "steps_per_epoch", "checkpoint_every", "dense_rounds", "density_warmup", "settings")}
     row.update({"status": status, "returncode": rc, "launch_seconds": seconds, "eval_seconds": eval_seconds,
-                "command": portable(cmd_text), "final": final,
+                "launched_by": common.command_text([sys.executable, *sys.argv]), "final": final,
                 "points": [{k: r.get(k) for k in keys} for r in curve], "eval_check_abs_diff": eval_check,
                 "eval_error": eval_error,
                 "log_tail": None if status == "ok" else "\n".join(output.strip().splitlines()[-15:]),
                 "reused": False, "channels": channels})
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps(row, indent=1))
+    common.write_record(record_path, row, command=plan["cmd"])  # + the launch, the commit, the date, the machine
     return row
 
 # ---------------------------------------------------------------------------------------------------------
 # Analysis
 # ---------------------------------------------------------------------------------------------------------
 
-def mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if not vals:
-        return None, None
-    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
-
-
 def step_mode(method: str) -> str:
     return "hvd-dense" if method == "dense" else method
 
 
 def load_step_times(args) -> dict:
-    """{model: {mode: {ratio or None: (seconds, file)}}} from the --step-times JSON files (comma list allowed)."""
-    table: Dict[str, Dict[str, dict]] = {}
+    """{model: {mode: {ratio or None: (seconds, file, commit)}}} from the --step-times JSON files (comma list
+    allowed), the cells of --step-rate and --step-np; the first file that has a mode at a ratio wins (dense and
+    PowerSGD do not depend on the ratio)."""
     if args.step_times is None:
-        return table
-    for path in str(args.step_times).split(","):
-        data = json.loads(Path(path).read_text())
-        ratio = data.get("config", {}).get("ratio")
-        for cell in data.get("cells", []):
-            if cell.get("rate") != args.step_rate or cell.get("np") != args.step_np:
-                continue
-            for mode, res in cell.get("modes", {}).items():
-                key = ratio if uses_ratio(mode) and mode not in ("hvd-dense", "hvd-fp16", "compute") else None
-                slot = table.setdefault(cell["model"], {}).setdefault(mode, {})
-                if key in slot:
-                    continue  # the first file that has it wins (ratio-independent modes: dense, powersgd)
-                slot[key] = (
-                    res["median_s"], Path(path).name, data.get("commit") or data.get("git_commit"))
-    return table
+        return {}
+    return common.load_step_times(str(args.step_times).split(","), rate=args.step_rate, np_=args.step_np,
+                                  by_ratio=lambda m: uses_ratio(m) and m not in ("hvd-dense", "hvd-fp16", "compute"))
 
 
 def step_model_for(args, dataset: str) -> str:
@@ -641,7 +598,7 @@ def analyse(args, records: List[dict]) -> Tuple[List[dict], dict]:
     dense_final = {}
     for (ds, m, ratio, wu), runs in groups.items():
         if m == "dense":
-            dense_final[ds] = mean_std([(x["final"] or {}).get(metric_key(ds)) for x in runs])[0]
+            dense_final[ds] = common.mean_std([(x["final"] or {}).get(metric_key(ds)) for x in runs])[0]
     targets = {ds: (args.target_accuracy if ds != "shakespeare" else
                     (None if dense_final.get(ds) is None else (1 + args.ppl_tolerance) * dense_final[ds]))
                for ds in dict.fromkeys(r["dataset"] for r in records)}
@@ -684,14 +641,14 @@ def analyse(args, records: List[dict]) -> Tuple[List[dict], dict]:
              "channels": channel_means([x.get("channels") for x in runs])}
         for field in ("final", "bytes_vs_dense", "bytes_sent", "density", "steps", "wall_time", "steps_to_target",
                       "wall_to_target", "modelled_to_target", "modelled_total"):
-            g[field + "_mean"], g[field + "_std"] = mean_std([p[field] for p in per_run])
+            g[field + "_mean"], g[field + "_std"] = common.mean_std([p[field] for p in per_run])
         # mean curve over the steps every seed has
         common_steps = set.intersection(*[{p["step"] for p in x["points"] if p.get(key) is not None} for x in runs])
         curve = []
         for s in sorted(common_steps):
             vals = [next(p for p in x["points"] if p["step"] == s) for x in runs]
-            mv, sv = mean_std([v.get(key) for v in vals])
-            bm, _ = mean_std([v.get("bytes_sent") for v in vals])
+            mv, sv = common.mean_std([v.get(key) for v in vals])
+            bm, _ = common.mean_std([v.get("bytes_sent") for v in vals])
             curve.append({"step": s, "epoch": s / runs[0]["steps_per_epoch"], "mean": mv, "std": sv,
                           "bytes_sent": bm, "modelled_s": modelled_seconds(s, runs[0]["dense_rounds"], t_m, t_d)})
         g["curve"] = curve
@@ -701,8 +658,8 @@ def analyse(args, records: List[dict]) -> Tuple[List[dict], dict]:
         d = dense_groups.get(g["dataset"])
         g["delta_vs_dense"] = None
         if d and g["final_mean"] is not None and d["final_mean"] is not None:
-            g["delta_vs_dense"] = (100 * (g["final_mean"] - d["final_mean"]) if g["metric"] == "test_accuracy"
-                                   else g["final_mean"] / d["final_mean"])
+            g["delta_vs_dense"] = common.against_dense(g["final_mean"], d["final_mean"],
+                                                       points=g["metric"] == "test_accuracy")
     return out, {"targets": targets, "step_times": steps_table}
 
 

@@ -88,23 +88,19 @@ UNITS = {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}
 
 # --- arguments -------------------------------------------------------------------------------------------------
 
-def csv(s: str) -> List[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", type=csv, default=None, help=f"link rates (default {','.join(ALL_RATES)})")
-    ap.add_argument("--np", type=lambda s: [int(x) for x in csv(s)], default=None, help="world sizes (default 2,4)")
-    ap.add_argument("--models", type=csv, default=None, help="mlp,resnet18,lstm,cnn,vgg,gpt (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28; gpt: the transformer job's GPT, batch 32 x 128 tokens)")
-    ap.add_argument("--modes", type=csv, default=None,
+    ap.add_argument("--rates", type=common.csv_list, default=None, help=f"link rates (default {','.join(ALL_RATES)})")
+    ap.add_argument("--np", type=common.csv_ints, default=None, help="world sizes (default 2,4)")
+    ap.add_argument("--models", type=common.csv_list, default=None, help="mlp,resnet18,lstm,cnn,vgg,gpt (default mlp,resnet18,lstm; cnn: the Fashion-MNIST SmallCNN of examples/models.py, batch 64 x 1x28x28; gpt: the transformer job's GPT, batch 32 x 128 tokens)")
+    ap.add_argument("--modes", type=common.csv_list, default=None,
                     help="compute-noinit,compute,hvd-dense,hvd-fp16, DDP modes (ddp-dense, ddp-powersgd[R]: "
                          "PyTorch's PowerSGD hook at rank R, ddp-NAME: our DDP hook with compressor NAME; a -v "
                          "suffix on ddp-dense / ddp-NAME: gradient_as_bucket_view=True) and "
                          "compressor names; 'ours' expands to "
                          f"--compressors (default {','.join(DEFAULT_MODES)})")
-    ap.add_argument("--compressors", type=csv, default=None,
+    ap.add_argument("--compressors", type=common.csv_list, default=None,
                     help=f"horovod_adtopk compressors for 'ours' (default {','.join(DEFAULT_COMPRESSORS)})")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per mode (default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per mode (default 3)")

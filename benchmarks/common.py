@@ -9,11 +9,17 @@ What is here:
 
 - :func:`machine_info`: CPU model, core counts, memory, versions, for every benchmark's JSON;
 - :func:`ms`, :func:`fmt`, :func:`ratio`, :func:`table`: number formatting and plain-text tables;
+  :func:`csv_list`, :func:`csv_ints`, :func:`csv_floats`: comma-separated options;
 - :func:`write_json`: write a report (parent folders created);
 - :func:`write_record`: write a benchmark record with the command, the commit (:func:`git_commit`), the date
   and the machine: every script whose JSON a table of ``docs/results.md`` reads writes it through this;
 - :func:`run_command`: run a job (``horovodrun ...``) in its own session under a timeout, killing the
-  whole process tree afterwards; :data:`HOROVODRUN` is the launcher beside this Python;
+  whole process tree afterwards, optionally at the lowest priority and copying its output into a log;
+  :data:`HOROVODRUN` and :data:`TORCHRUN` are the launchers beside this Python, :func:`launch_ranks` the
+  command that starts a script on N local ranks with either;
+- :func:`mean_std`, :func:`against_dense`: the mean +- sample standard deviation over seeds, and a mean
+  against dense's, as the convergence scripts tabulate them; :func:`load_step_times`: the step times of
+  ``bench_step.py`` records, for the modelled times to accuracy;
 - :func:`load_example`: import a module of ``examples/`` (the training job's models and data sets);
 - :func:`repo_package`: the repository's ``examples`` or ``tests`` package, registered by its path (no
   import-path edits), for ``import examples.job`` or ``from tests.cluster import Cluster``;
@@ -29,6 +35,7 @@ import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,8 +48,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = REPO_ROOT / "examples"
 _BIN = Path(sys.executable).parent
-#: ``horovodrun`` of the running Python's environment if there is one, else whatever PATH finds.
-HOROVODRUN = str(_BIN / "horovodrun") if (_BIN / "horovodrun").exists() else "horovodrun"
+
+
+def _launcher(name: str) -> str:
+    """``name`` (a console script) of the running Python's environment if there is one, else whatever PATH finds."""
+    return str(_BIN / name) if (_BIN / name).exists() else name
+
+
+HOROVODRUN = _launcher("horovodrun")
+TORCHRUN = _launcher("torchrun")
 
 
 # --- machine --------------------------------------------------------------------------------------------------
@@ -110,6 +124,19 @@ def ratio(num: float, den: float, spec: str = ".2f") -> str:
     return format(num / den, spec) if den > 0 else "-"
 
 
+def csv_list(text: str) -> List[str]:
+    """A comma-separated command-line value as a list (blanks dropped): ``type=csv_list`` in argparse."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def csv_ints(text: str) -> List[int]:
+    return [int(t) for t in csv_list(text)]
+
+
+def csv_floats(text: str) -> List[float]:
+    return [float(t) for t in csv_list(text)]
+
+
 def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns as wide as their widest cell, a dashed rule under the header."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
@@ -130,7 +157,8 @@ def portable_argv(argv: Optional[Sequence[str]] = None) -> List[str]:
     """``argv`` (default ``sys.argv``) with this machine's paths taken out.
 
     A path inside the repository becomes relative to its root; the Python running the script becomes
-    ``python``; any other absolute path keeps only its last component (``.../name``).
+    ``python`` and a launcher beside it (``horovodrun``, ``torchrun``) its bare name; any other absolute path
+    keeps only its last component (``.../name``).
     """
     out: List[str] = []
     root = str(REPO_ROOT) + os.sep
@@ -139,12 +167,20 @@ def portable_argv(argv: Optional[Sequence[str]] = None) -> List[str]:
         if arg == sys.executable:
             out.append("python")
             continue
+        if os.path.isabs(arg) and Path(arg).parent == _BIN:
+            out.append(Path(arg).name)
+            continue
         arg = arg.replace(root, "")
         key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
         if value.startswith(os.sep):
             value = "..." + os.sep + Path(value).name
         out.append(key + eq + value)
     return out
+
+
+def command_text(argv: Sequence[str]) -> str:
+    """``argv`` as the one line a record stores: :func:`portable_argv`, joined by spaces."""
+    return " ".join(portable_argv(argv))
 
 
 def git_commit() -> Optional[str]:
@@ -169,7 +205,7 @@ def write_record(path: Any, payload: Dict[str, Any], command: Optional[Sequence[
     ``benchmarks/report.py`` reads these three fields; a record without them is reported as lacking provenance.
     """
     record = dict(payload)
-    record["command"] = " ".join(portable_argv([sys.executable, *sys.argv] if command is None else command))
+    record["command"] = command_text([sys.executable, *sys.argv] if command is None else command)
     record["commit"] = git_commit()
     record.setdefault("date", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     record.setdefault("machine", machine_info())
@@ -212,40 +248,142 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
+def _renice_sessions(pid: int) -> None:
+    """Put the session of ``pid`` and of every descendant at autogroup nice 19.
+
+    ``nice`` alone is not enough where the kernel groups processes by session
+    (``/proc/sys/kernel/sched_autogroup_enabled``): CPU time is then shared between sessions whatever the nice
+    values inside them, and horovodrun and torchrun start their workers in sessions of their own.
+    """
+    for p in [pid, *_descendants(pid)]:
+        try:
+            Path(f"/proc/{p}/autogroup").write_text("19")
+        except OSError:
+            pass
+
+
 def run_command(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None, cwd: Any = None,
-                on_line: Optional[Callable[[str], None]] = None) -> Tuple[Optional[int], str, float]:
+                on_line: Optional[Callable[[str], None]] = None, lowest_priority: bool = False,
+                log_path: Any = None) -> Tuple[Optional[int], str, float]:
     """Run ``cmd`` in its own session; after it exits, or after ``timeout`` seconds, kill its process tree.
 
     The environment is this process's plus ``OMP_NUM_THREADS=1`` and ``PYTHONUNBUFFERED=1``, then ``env``.
     ``cwd`` defaults to the repository root. ``on_line`` is called with every output line as it arrives
-    (stdout and stderr merged). Returns ``(returncode, output, seconds)``; returncode is None on timeout.
+    (stdout and stderr merged); with ``log_path`` the output is also appended to that file as it arrives,
+    after a line ``$ <command>`` (:func:`command_text`).
+
+    ``lowest_priority``: run under ``nice -n 19`` and, every few seconds while waiting, put the sessions of
+    all its processes at autogroup nice 19 too (:func:`_renice_sessions`), so that tests and other work on the
+    machine come first; Gloo then gets an hour to receive (``HOROVOD_GLOO_TIMEOUT_SECONDS``, unless set), as a
+    rank starved for minutes would otherwise end the job after Gloo's default 30 s.
+
+    Returns ``(returncode, output, seconds)``; returncode is None on timeout.
     """
+    cmd = (["nice", "-n", "19"] if lowest_priority else []) + [str(c) for c in cmd]
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    if lowest_priority:
+        full_env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "3600")
     full_env.update(env or {})
     start = time.monotonic()
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(list(cmd), cwd=str(cwd or REPO_ROOT), stdout=subprocess.PIPE,
+    deadline = start + timeout
+    if log_path is not None:
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile() as log, open(os.devnull if log_path is None else log_path, "ab") as copy:
+        copy.write(f"$ {command_text(cmd)}\n".encode())
+        proc = subprocess.Popen(cmd, cwd=str(cwd or REPO_ROOT), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
 
         def pump() -> None:
             assert proc.stdout is not None
             for raw in proc.stdout:
                 log.write(raw)
+                copy.write(raw)
+                copy.flush()
                 if on_line is not None:
                     on_line(raw.decode(errors="replace"))
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        try:
-            rc: Optional[int] = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
+        rc: Optional[int] = None
+        while True:
+            if lowest_priority:
+                _renice_sessions(proc.pid)
+            try:
+                rc = proc.wait(timeout=max(0.0, min(deadline - time.monotonic(), 5.0 if lowest_priority else timeout)))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    break
         kill_tree(proc)  # on success nothing should be left; make sure
         reader.join(timeout=10)
         log.seek(0)
         output = log.read().decode(errors="replace")
     return rc, output, time.monotonic() - start
+
+
+def launch_ranks(np_: int, argv: Sequence[str], engine: str = "horovod") -> List[str]:
+    """The command that starts ``argv`` (a Python script and its arguments) on ``np_`` local ranks.
+
+    ``engine`` "horovod": ``horovodrun -np N --gloo python ...``; "ddp": ``torchrun --standalone
+    --nproc-per-node N ...`` with the training job's ``--engine ddp`` appended (``examples/train.py``'s DDP
+    engine, which every script that launches it this way runs).
+    """
+    if engine == "ddp":
+        return [TORCHRUN, "--standalone", "--nproc-per-node", str(np_), *map(str, argv), "--engine", "ddp"]
+    if engine != "horovod":
+        raise ValueError(f"unknown engine {engine!r}; valid: horovod, ddp")
+    return [HOROVODRUN, "-np", str(np_), "--gloo", sys.executable, *map(str, argv)]
+
+
+# --- aggregating runs -----------------------------------------------------------------------------------------
+
+
+def mean_std(values: Sequence[Optional[float]], finite_only: bool = True) -> Tuple[Optional[float], Optional[float]]:
+    """The mean and the sample standard deviation of ``values`` (the std is None below two values).
+
+    ``finite_only``: None and non-finite values are left out, and (None, None) is returned when none is left.
+    Otherwise every value counts, None as NaN (a run that diverged): a NaN makes the mean NaN, and the std too.
+    The mean is ``statistics.mean``'s, correctly rounded (``fmean`` may differ in the last bit).
+    """
+    if finite_only:
+        vals = [float(v) for v in values if v is not None and math.isfinite(v)]
+        if not vals:
+            return None, None
+    else:
+        vals = [math.nan if v is None else float(v) for v in values]
+        if any(math.isnan(v) for v in vals):
+            return math.nan, None if len(vals) < 2 else math.nan
+    return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else None
+
+
+def against_dense(mean: float, dense_mean: float, points: bool) -> float:
+    """A mean against dense's: the difference in percentage points (``points``, for accuracies) or the ratio."""
+    return 100 * (mean - dense_mean) if points else mean / dense_mean
+
+
+def load_step_times(paths: Sequence[Any], rate: Optional[str] = None, np_: Optional[int] = None,
+                    by_ratio: Optional[Callable[[str], bool]] = None) -> Dict[str, Dict[str, Dict[Any, tuple]]]:
+    """``{model: {mode: {ratio or None: (median step seconds, file name, commit)}}}`` from ``bench_step.py``
+    records, for the modelled times of the convergence scripts.
+
+    Only the cells of link ``rate`` and of ``np_`` ranks when given. A mode for which ``by_ratio(mode)`` holds
+    is keyed by the record's ratio (its step time depends on it), every other mode by None; where several
+    cells or files give the same key, the first wins.
+    """
+    out: Dict[str, Dict[str, Dict[Any, tuple]]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        ratio = data.get("config", {}).get("ratio")
+        for cell in data.get("cells", []):
+            if (rate is not None and cell.get("rate") != rate) or (np_ is not None and cell.get("np") != np_):
+                continue
+            for mode, res in cell.get("modes", {}).items():
+                key = ratio if by_ratio is not None and by_ratio(mode) else None
+                slot = out.setdefault(cell["model"], {}).setdefault(mode, {})
+                if key not in slot:
+                    slot[key] = (res["median_s"], Path(path).name, data.get("commit") or data.get("git_commit"))
+    return out
 
 
 # --- examples/ and model shapes -------------------------------------------------------------------------------

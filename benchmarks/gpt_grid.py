@@ -10,7 +10,9 @@ tests and other work on the machine come first; ``horovodrun --gloo``, or ``torc
 methods).
 A run writes a checkpoint every ``--checkpoint-every`` steps and is started with ``--resume``: stop the
 grid at any time (or lose the machine) and the next invocation skips finished runs (their summary JSON
-exists) and continues unfinished ones from their newest checkpoint. Run it from a detached worktree of
+exists) and continues unfinished ones from their newest checkpoint. A finished run's summary (train.py's
+``--summary-json``) is rewritten as a record (``common.write_record``: the launch as its command, the commit,
+the date, the machine; ``launched_by``: this script's command line). Run it from a detached worktree of
 committed code, so that edits to the checkout do not change a grid that is under way::
 
     git worktree add --detach ../grid HEAD && cd ../grid
@@ -33,18 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import common  # benchmarks/common.py (this script's directory is on the path): write_record
+import common  # benchmarks/common.py (this script's directory is on the path): the launch and the records
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = common.REPO_ROOT
 RUN_FLAGS = ["--no-progress", "--log-every", "100", "--keep-checkpoints", "1", "--resume"]
 # workload -> (job flags, optimizer steps per epoch on 2 ranks: --epochs covers --steps, --max-steps stops)
 WORKLOADS = {"gpt": (["--dataset", "shakespeare", "--model", "gpt", "--bf16"], 500),
@@ -164,79 +164,53 @@ RATES = {"1gbit": 1e9, "100mbit": 1e8}
 
 def command(name: str, seed: int, out: Path, steps: int, checkpoint_every: int, np_: int,
             workload: str = "gpt") -> List[str]:
+    """The launch of one run (:func:`run_grid` runs it at the lowest priority)."""
     engine, flags = METHODS[name]
     run = f"{name}_s{seed}"
-    common, per_epoch = WORKLOADS[workload]
+    job_flags, per_epoch = WORKLOADS[workload]
     epochs = max(1, math.ceil(steps / per_epoch))
-    job = ["examples/train.py", *common, *RUN_FLAGS, "--epochs", str(epochs), "--max-steps", str(steps), "--seed", str(seed),
-           "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(out / "ckpt" / run),
+    job = ["examples/train.py", *job_flags, *RUN_FLAGS, "--epochs", str(epochs), "--max-steps", str(steps),
+           "--seed", str(seed), "--checkpoint-every", str(checkpoint_every), "--checkpoint-dir", str(out / "ckpt" / run),
            "--summary-json", str(out / f"{run}.json"), "--metrics-out", str(out / f"{run}.jsonl"), *flags]
-    bindir = Path(sys.executable).parent
-    if engine == "ddp":
-        return ["nice", "-n", "19", str(bindir / "torchrun"), "--standalone", "--nproc-per-node", str(np_), *job,
-                "--engine", "ddp"]
-    return ["nice", "-n", "19", str(bindir / "horovodrun"), "-np", str(np_), "--gloo", sys.executable, *job]
+    return common.launch_ranks(np_, job, engine)
 
 
 def run_grid(args) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = args.methods or GROUPS[args.group]
-    # At the lowest priority a rank can be starved for minutes while other work runs: Gloo's default 30 s
-    # receive timeout then ends the run (seen beside the test suite), so the grid waits up to an hour.
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOROVOD_CYCLE_TIME="1",
-               HOROVOD_GLOO_TIMEOUT_SECONDS=os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "3600"))
+    env = {"PYTHONPATH": str(REPO), "HOROVOD_CYCLE_TIME": "1"}
     failed = 0
     for seed in args.seeds:
         for name in names:
             run = f"{name}_s{seed}"
-            if (out / f"{run}.json").exists():
+            summary = out / f"{run}.json"
+            if summary.exists():
                 continue
             cmd = command(name, seed, out, args.steps, args.checkpoint_every, args.np, args.workload)
-            start = time.time()
             print(f"{time.strftime('%H:%M:%S')} {run}: start", flush=True)
-            with open(out / f"{run}.log", "a") as log:
-                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                rc = wait_in_background(proc, args.run_timeout)
-            print(f"{time.strftime('%H:%M:%S')} {run}: rc {rc} after {time.time() - start:.0f} s", flush=True)
+            # at the lowest priority; a launch stopped by the timeout is killed, the next invocation resumes it
+            rc, _, seconds = common.run_command(cmd, args.run_timeout, env=env, lowest_priority=True,
+                                                log_path=out / f"{run}.log")
+            if rc == 0 and summary.exists():
+                # train.py's summary, with the launch, the commit, the date and the machine (report.py reads them)
+                common.write_record(summary, dict(json.loads(summary.read_text()), launched_by=common.command_text(
+                    [sys.executable, *sys.argv])), command=cmd)
+            print(f"{time.strftime('%H:%M:%S')} {run}: "
+                  f"{'timeout (the next invocation resumes it)' if rc is None else f'rc {rc}'} after {seconds:.0f} s",
+                  flush=True)
             failed += rc != 0
     return 1 if failed else 0
 
 
-def wait_in_background(proc: subprocess.Popen, timeout: float):
-    """Wait for a launch, keeping all of its processes at the lowest priority. ``nice`` alone is not enough
-    where the kernel groups processes by session (``/proc/sys/kernel/sched_autogroup_enabled``): horovodrun and
-    torchrun start their workers in sessions of their own, and CPU time is then shared between sessions
-    whatever their nice values, so each worker's session is set to nice 19 as well (``/proc/<pid>/autogroup``).
-    Returns the exit status, or a note when ``timeout`` ran out (the launch is then killed; the next
-    invocation resumes it from its checkpoint)."""
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
-                child.kill()
-            proc.wait()
-            return "timeout (the next invocation resumes it)"
-        try:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                Path(f"/proc/{child.pid}/autogroup").write_text("19")
-        except (OSError, psutil.Error):
-            pass
-        time.sleep(10)
-    return proc.returncode
-
-
 def compute_step(path: Optional[str]) -> Optional[float]:
-    """The compute-only step of the gpt model, 2 ranks, from a bench_step.py JSON."""
+    """The compute-only step of the gpt model from a bench_step.py JSON (its first gpt cell with one)."""
     if not path:
         return None
-    for cell in json.loads(Path(path).read_text())["cells"]:
-        if cell.get("model") == "gpt" and "compute" in cell.get("modes", {}):
-            return float(cell["modes"]["compute"]["median_s"])
-    raise SystemExit(f"{path}: no gpt cell with a compute mode; run benchmarks/bench_step.py --models gpt")
+    got = common.load_step_times([path]).get("gpt", {}).get("compute")
+    if not got:
+        raise SystemExit(f"{path}: no gpt cell with a compute mode; run benchmarks/bench_step.py --models gpt")
+    return float(got[None][0])
 
 
 def analyse(args) -> int:
@@ -249,25 +223,23 @@ def analyse(args) -> int:
     if "dense" not in runs:
         raise SystemExit(f"no finished dense run in {out}: nothing to compare with")
     t_compute = args.compute_step if args.compute_step is not None else compute_step(args.step_times)
-    dense_loss = statistics.mean(r["test_loss"] for r in runs["dense"])
+    # a test loss of None: the run diverged (NaN in the mean and the std)
+    dense_loss, _ = common.mean_std([r["test_loss"] for r in runs["dense"]], finite_only=False)
     rows = []
     for name in METHODS:
         if name not in runs:
             continue
         rs = runs[name]
-        losses = [math.nan if r["test_loss"] is None else r["test_loss"] for r in rs]  # None: it diverged
-        row = {"method": name, "seeds": len(rs), "test_loss": statistics.mean(losses),
-               "std": (None if len(losses) < 2 else math.nan if any(map(math.isnan, losses))
-                       else statistics.stdev(losses)),
-               "vs_dense": statistics.mean(losses) / dense_loss - 1,
+        loss, std = common.mean_std([r["test_loss"] for r in rs], finite_only=False)
+        row = {"method": name, "seeds": len(rs), "test_loss": loss, "std": std,
+               "vs_dense": common.against_dense(loss, dense_loss, points=False) - 1,
                "bytes_vs_dense": statistics.mean(r["bytes_sent"] / r["bytes_dense"] for r in rs),
                "steps": statistics.mean(r["step"] for r in rs)}
         accs = [r.get("test_accuracy") for r in rs]
         if all(a is not None for a in accs):  # the CNN: accuracy, and its difference to dense's in points
-            row["test_accuracy"] = statistics.mean(accs)
-            row["accuracy_std"] = statistics.stdev(accs) if len(accs) > 1 else None
-            row["accuracy_vs_dense_pt"] = 100 * (row["test_accuracy"] - statistics.mean(
-                r["test_accuracy"] for r in runs["dense"]))
+            row["test_accuracy"], row["accuracy_std"] = common.mean_std(accs, finite_only=False)
+            row["accuracy_vs_dense_pt"] = common.against_dense(row["test_accuracy"], common.mean_std(
+                [r["test_accuracy"] for r in runs["dense"]], finite_only=False)[0], points=True)
         if t_compute is not None:
             per_rank = statistics.mean(r["bytes_sent"] / r["world_size"] for r in rs)
             for rate, bits in RATES.items():
@@ -301,9 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="gpt",
                     help="gpt: Shakespeare characters, AdamW (val loss); cnn: Fashion-MNIST, SGD (test accuracy)")
     ap.add_argument("--group", choices=sorted(GROUPS), default="transformer")
-    ap.add_argument("--methods", type=lambda s: s.split(","), default=None,
+    ap.add_argument("--methods", type=common.csv_list, default=None,
                     help=f"comma-separated, instead of --group: {', '.join(METHODS)}")
-    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    ap.add_argument("--seeds", type=common.csv_ints, default=[1, 2])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--checkpoint-every", type=int, default=200)
