@@ -87,6 +87,14 @@ METHODS: Dict[str, tuple] = {
     # per-step ADTopk 0.01 through the owner-sharded exchange (horovod_adtopk.sharded): bytes per rank bounded in W
     "adtopk01_sharded": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
                                      "--exchange", "sharded"]),
+    # variants of per-step ADTopk 0.01 tried on the CNN at 8 ranks (--workload cnn-w8): SGD momentum on the average
+    # instead of DGC's momentum correction, error feedback on each rank's update, ratio 0.05 through the shards
+    "adtopk01_nomc": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
+                                  "--no-momentum-correction"]),
+    "adtopk01_efupdate": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
+                                      "--error-feedback-on", "update", "--no-momentum-correction"]),
+    "adtopk05_sharded": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1",
+                                     "--exchange", "sharded"]),
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
     "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1"]),
     # short rows joined: every fiber at least 2,048 entries (16 rows of the width-128 GPT, k = 20 at 0.01)
@@ -130,6 +138,7 @@ METHODS: Dict[str, tuple] = {
         (10, "adtopk", "01", True), (10, "adtopk", "05", True), (10, "topk", "05", True), (50, "adtopk", "05", True),
         (10, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 1), (12, "adtopk", "05", True, 2),
         (12, "adtopk", "05", True, 1), (15, "adtopk", "05", True, 2), (10, "adtopk", "05", True, 2, 64),
+        (4, "adtopk", "05", True, 2),
         (12, "adtopk", "05", True, 2, 64), (10, "adtopk", "05", True, 1, 64)]},
     # the same with whole columns joined into fibers of >= 2,048 entries (the per-step GPT default's layout) at
     # ratio 0.04: 12-bit indices instead of 7 but one set of levels per fiber, the bytes of 0.05 with the paper's
