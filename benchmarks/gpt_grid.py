@@ -95,6 +95,9 @@ METHODS: Dict[str, tuple] = {
                                       "--error-feedback-on", "update", "--no-momentum-correction"]),
     "adtopk05_sharded": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1",
                                      "--exchange", "sharded"]),
+    # half the workload's learning rate (argparse keeps the last --lr)
+    "adtopk01_lr0125": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
+                                    "--lr", "0.0125"]),
     "topk01": ("horovod", ["--compressor", "topk", "--ratio", "0.01"]),
     "adtopk05": ("horovod", ["--compressor", "adtopk", "--ratio", "0.05", "--min-fiber-len", "1"]),
     # short rows joined: every fiber at least 2,048 entries (16 rows of the width-128 GPT, k = 20 at 0.01)
