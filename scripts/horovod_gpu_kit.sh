@@ -31,6 +31,9 @@ GPU_PY_DEFAULT=/opt/torch/.venv/bin/python3
 PATCH="$ROOT/scripts/patch_horovod.sh"
 PATCH_HASH=$(sha256sum "$PATCH" | cut -c1-8)
 
+# the cores this process may use (nproc alone would follow OMP_NUM_THREADS)
+JOBS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+
 say() { echo "[gpu_kit] $*"; }
 die() { echo "[gpu_kit] ERROR: $*" >&2; exit 1; }
 usage() {
@@ -71,13 +74,21 @@ unpack_and_patch() {  # unpack_and_patch SCRATCH: prints the patched source fold
 }
 
 # ---- the environment of the build -------------------------------------------------------------------------
+# find_nvidia PY: sets NVIDIA_DIR, the folder of the python namespace package nvidia (NCCL, the CUDA wheels), or ""
+find_nvidia() {
+  NVIDIA_DIR=""
+  [ -n "$1" ] || return 0
+  NVIDIA_DIR=$("$1" -c "import nvidia; print(list(nvidia.__path__)[0])" 2>/dev/null || true)
+  return 0
+}
+
 # find_cuda PY: sets CUDA_PREFIX (the toolkit folder above nvcc's bin/) and NVCC, or leaves them empty.
 find_cuda() {
   NVCC="" CUDA_PREFIX=""
   local cand site
   cand=$(command -v nvcc 2>/dev/null || true)
-  if [ -z "$cand" ] && [ -n "$1" ]; then
-    site=$("$1" -c "import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))" 2>/dev/null || true)
+  if [ -z "$cand" ] && [ -n "$NVIDIA_DIR" ]; then
+    site=$(dirname "$NVIDIA_DIR")
     for c in "$site"/nvidia/cu*/bin/nvcc "$site"/nvidia/cuda_nvcc/bin/nvcc; do [ -x "$c" ] && { cand=$c; break; }; done
   fi
   [ -z "$cand" ] && [ -x /usr/local/cuda/bin/nvcc ] && cand=/usr/local/cuda/bin/nvcc
@@ -96,9 +107,8 @@ find_cuda() {
 find_nccl() {
   NCCL_INC="" NCCL_SO=""
   [ -n "$1" ] || return 0
-  local base
-  base=$("$1" -c "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null || true)
-  [ -n "$base" ] || return 0
+  local base="$NVIDIA_DIR/nccl"
+  [ -n "$NVIDIA_DIR" ] && [ -d "$base" ] || return 0
   [ -f "$base/include/nccl.h" ] && NCCL_INC="$base/include"
   local so
   for so in "$base"/lib/libnccl.so.2 "$base"/lib/libnccl.so.*; do [ -f "$so" ] && { NCCL_SO=$so; break; }; done
@@ -174,7 +184,7 @@ build_env() {
     export HOROVOD_WITHOUT_MPI=1; unset HOROVOD_WITH_MPI
   fi
   export CMAKE_POLICY_VERSION_MINIMUM=3.5
-  export MAKEFLAGS="-j$(nproc)"
+  export MAKEFLAGS="-j$JOBS"
   export LIBRARY_PATH="$links/lib${CUDA_PREFIX:+:$links/cuda/lib64}${LIBRARY_PATH:+:$LIBRARY_PATH}"
   export LD_LIBRARY_PATH="$links/lib${NCCL_SO:+:$(dirname "$NCCL_SO")}${CUDA_PREFIX:+:$links/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   # Horovod links the CUDA runtime statically; toolkits from Python packages may ship only the shared one.
@@ -291,9 +301,9 @@ dry() {
   [ -z "$changed" ] || die "a second run of scripts/patch_horovod.sh rewrote: $changed"
   say "a second run of the patch changes nothing"
   py=$(pick_python try-pyenv)
-  if [ -n "$py" ]; then say "python: $py ($("$py" -c 'import platform; print(platform.python_version())'))"
+  if [ -n "$py" ]; then say "python: $py ($("$py" -S -c 'import platform; print(platform.python_version())'))"
   else say "python: not found"; fi
-  find_cuda "$py"; find_nccl "$py"; find_libcuda
+  find_nvidia "$py"; find_cuda "$py"; find_nccl "$py"; find_libcuda
   say "nvcc: ${NVCC:-not found}${NVCC:+ ($("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/CUDA \1/p'))}"
   say "NCCL (python package nvidia.nccl of that Python): ${NCCL_INC:-not found}${NCCL_SO:+, $NCCL_SO}"
   say "driver libcuda.so.1: ${LIBCUDA:-not found}"
@@ -305,7 +315,8 @@ dry() {
       -printf '    LINKS/%P -> %l\n' | sort)
   say "the environment it would export (LINKS: a private folder of links in the kit):"
   print_env | sed "s|$scratch/links|LINKS|g"
-  if [ -n "$py" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  # the wheel's key imports torch (seconds): only for a Python that could build (one with NCCL)
+  if [ -n "$NCCL_INC" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
     say "wheel key for this Python: $(py_key "$py")"
   fi
   say "CMake configure: skipped: Horovod's configure enables PyTorch only with a torch importable by the build's"
@@ -329,7 +340,7 @@ build() {
   say "python $py, wheel key $key"
   check_sums
   links="$KIT/links"
-  find_cuda "$py"; find_nccl "$py"; find_libcuda
+  find_nvidia "$py"; find_cuda "$py"; find_nccl "$py"; find_libcuda
   make_links "$links"
   wheel_dir="$KIT/wheels/$key"
   out_dir="${OUT:+$OUT/gpu_kit/wheels/$key}"
@@ -352,7 +363,7 @@ build() {
       sed -i 's/set(CMAKE_CUDA_RUNTIME_LIBRARY "Static")/set(CMAKE_CUDA_RUNTIME_LIBRARY "Shared")/' "$src/CMakeLists.txt"
       grep -q 'CMAKE_CUDA_RUNTIME_LIBRARY "Shared"' "$src/CMakeLists.txt" || die "could not switch to the shared CUDA runtime"
     fi
-    say "compiling with $(nproc) jobs (limit ${HOROVOD_GPU_KIT_TIMEOUT:-450}s), log in ${log#"$ROOT"/}"
+    say "compiling with $JOBS jobs (limit ${HOROVOD_GPU_KIT_TIMEOUT:-450}s), log in ${log#"$ROOT"/}"
     local rc=0
     timeout --kill-after=15 "${HOROVOD_GPU_KIT_TIMEOUT:-450}" \
       "$py" -m pip wheel -v --no-index --no-deps --no-build-isolation -w "$scratch/wheel" "$src" > "$log" 2>&1 || rc=$?
