@@ -216,13 +216,16 @@ PYEOF
 
 strip_wheel() {  # strip_wheel PY WHEEL: strips the wheel's shared libraries in place, rewriting its RECORD
   "$1" - "$2" <<'PYEOF'
-import base64, hashlib, os, subprocess, sys, tempfile, zipfile
+import base64, hashlib, os, shutil, subprocess, sys, tempfile, zipfile
 wheel = sys.argv[1]
 with tempfile.TemporaryDirectory() as tmp:
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         z.extractall(tmp)
     before = os.path.getsize(wheel)
+    if shutil.which("strip") is None:
+        print("[gpu_kit] WARNING: no strip (binutils): the wheel stays as built")
+        sys.exit(0)
     for n in names:
         if n.endswith(".so") or ".so." in n:
             subprocess.run(["strip", "--strip-unneeded", os.path.join(tmp, n)], check=True)
@@ -247,15 +250,19 @@ PYEOF
 }
 
 verify() {  # verify PY: Horovod imports, initialises and has NCCL built
-  (cd /tmp && "$1" - <<'PYEOF'
+  # the Gloo controller: a lone process needs no launcher (an MPI build would otherwise start MPI as a singleton)
+  (cd "${TMPDIR:-/tmp}" && HOROVOD_CONTROLLER=gloo HOROVOD_CPU_OPERATIONS=gloo "$1" - <<'PYEOF'
 import torch
 import horovod
 import horovod.torch as hvd
 hvd.init()
 print(f"[gpu_kit] horovod {horovod.__version__}, torch {torch.__version__}: size {hvd.size()}, "
       f"nccl_built {hvd.nccl_built()}, gloo_built {hvd.gloo_built()}, mpi_built {hvd.mpi_built()}")
-if hasattr(hvd, "gpu_available"):
-    print(f"[gpu_kit] gpu_available('torch') = {hvd.gpu_available('torch')}")
+try:
+    from horovod.common.util import gpu_available
+    print(f"[gpu_kit] gpu_available('torch') = {gpu_available('torch')}, cuda available {torch.cuda.is_available()}")
+except ImportError:
+    pass
 assert hvd.nccl_built(), "Horovod was built without NCCL"
 assert hvd.gloo_built(), "Horovod was built without Gloo"
 PYEOF
