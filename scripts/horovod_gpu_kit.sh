@@ -7,8 +7,9 @@
 #   bash scripts/horovod_gpu_kit.sh build     # on the GPU machine, offline: build (or install a carried wheel)
 #
 # The kit folder is build/gpu_kit/ (ignored by git; HOROVOD_GPU_KIT_DIR names another). It holds the sdist as
-# downloaded, SHA256SUMS and kit.txt; the patch is applied at build time from scripts/patch_horovod.sh (tracked,
-# so it travels with the working tree), to a scratch copy. `build` writes the stripped wheel to
+# downloaded, deps/ (the wheels `import horovod.torch` needs beyond torch, for a Python 3.12), SHA256SUMS and
+# kit.txt; the patch is applied at build time from scripts/patch_horovod.sh (tracked, so it travels with the
+# working tree), to a scratch copy. `build` writes the stripped wheel to
 # wheels/KEY/ in the kit folder and, when $OUT is set, to $OUT/gpu_kit/wheels/KEY/ (copy that wheels/ folder into
 # the kit folder here, and a later GPU run carries it and installs it instead of building). KEY names the Horovod
 # version, the torch version, the Python tag and the patch's hash: a wheel is used only where all four match.
@@ -29,6 +30,10 @@ SDIST_NAME="horovod-$HOROVOD_VERSION.tar.gz"
 KIT="${HOROVOD_GPU_KIT_DIR:-$ROOT/build/gpu_kit}"
 GPU_PY_DEFAULT=/opt/torch/.venv/bin/python3
 PATCH="$ROOT/scripts/patch_horovod.sh"
+# What `import horovod.torch` and horovodrun import beyond torch (Horovod's own requirements), as wheels for
+# CPython 3.12 on x86-64 Linux, installed on the GPU machine only where its Python lacks them.
+DEPS="cloudpickle==3.1.3 packaging==26.4 psutil==7.2.2 pyyaml==6.0.4"
+DEPS_PY=3.12
 PATCH_HASH=$(sha256sum "$PATCH" | cut -c1-8)
 
 # the cores this process may use (nproc alone would follow OMP_NUM_THREADS)
@@ -281,7 +286,18 @@ prepare() {
     "$py" -m pip download -qq --no-deps --no-binary :all: -d "$KIT" "horovod==$HOROVOD_VERSION"
   fi
   [ -f "$KIT/$SDIST_NAME" ] || die "no $SDIST_NAME in $KIT after the download"
-  (cd "$KIT" && sha256sum "$SDIST_NAME" > SHA256SUMS)
+  if [ -n "${HOROVOD_GPU_KIT_SDIST:-}" ]; then
+    say "offline (HOROVOD_GPU_KIT_SDIST): no runtime wheels in deps/; the GPU machine's Python must have them"
+  else
+    local py
+    py=$(pick_python)
+    rm -rf "$KIT/deps"
+    # shellcheck disable=SC2086
+    "$py" -m pip download -qq --no-deps --only-binary :all: --python-version "$DEPS_PY" --implementation cp \
+      --abi "cp${DEPS_PY/./}" --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$KIT/deps" $DEPS
+  fi
+  (cd "$KIT" && sha256sum "$SDIST_NAME" $(ls deps/*.whl 2>/dev/null) > SHA256SUMS)
   { echo "horovod $HOROVOD_VERSION sdist, unpatched: scripts/patch_horovod.sh is applied at build time"
     echo "patch_horovod.sh at prepare time: sha256 $(sha256sum "$PATCH" | cut -d' ' -f1)"
   } > "$KIT/kit.txt"
@@ -359,6 +375,8 @@ build() {
   else
     [ -n "$NVCC" ] || die "nvcc not found (PATH, the Python's nvidia packages, /usr/local/cuda)"
     [ -n "$NCCL_INC" ] && [ -n "$NCCL_SO" ] || die "NCCL not found: $py has no python package nvidia.nccl with include/nccl.h and lib/libnccl.so.2"
+    "$py" -c "import setuptools" 2>/dev/null \
+      || die "$py has no setuptools: pip wheel --no-build-isolation needs it (nothing can be fetched here)"
     build_env "$links"
     say "environment:"; print_env
     scratch=$(mktemp -d)
@@ -389,6 +407,11 @@ build() {
     cp "$whl" "$wheel_dir"/
     (cd "$wheel_dir" && sha256sum horovod-*.whl > SHA256SUMS)
     "$py" -m pip install -q --no-index --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
+  fi
+  if ls "$KIT"/deps/*.whl >/dev/null 2>&1; then
+    # only what the Python lacks: a requirement already met is left as it is
+    "$py" -m pip install -q --no-index --no-deps --find-links "$KIT/deps" cloudpickle packaging psutil pyyaml \
+      || say "WARNING: could not install the carried runtime wheels (deps/)"
   fi
   # shellcheck disable=SC1091
   source "$links/env.sh"
