@@ -100,6 +100,9 @@ else
     "$PY" -m pip wheel --no-build-isolation --no-deps -w "$BUILD/wheel" "$SRC" > "$BUILD/build.log" 2>&1 \
       || { tail -n 60 "$BUILD/build.log" >&2; die "Horovod build failed (log above)"; }
     cp "$BUILD"/wheel/horovod-*.whl "$WHEEL_DIR"/
+    # the sdist as downloaded (unpatched), kept beside the wheel: tests/test_gpu_kit.py checks offline that the
+    # patch still applies to it, and scripts/horovod_gpu_kit.sh prepare can take it (HOROVOD_GPU_KIT_SDIST)
+    cp "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz "$WHEEL_DIR"/
   else
     say "using cached Horovod wheel from $WHEEL_DIR"
   fi
