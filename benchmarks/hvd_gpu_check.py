@@ -41,7 +41,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import common  # benchmarks/common.py (this script's directory is on the path)
+try:
+    import common  # run as a script: benchmarks/common.py, its folder is on the import path
+except ImportError:  # imported by the tests
+    from benchmarks import common
 
 RTOL, FLOOR, TIE = 1e-5, 1e-2, 1e-6
 FIXED = ("adtopk", "adtopk_i", "adtopk_t", "topk", "randomk", "powersgd")
