@@ -163,12 +163,20 @@ def sync_probe(hat, device: str, name: str, ratio: float) -> dict:
     backward(model, 0, device)
     opt.step()
     opt.zero_grad()
-    out = {"hook": None, "synchronize": None}
+    out = {"forward": None, "hook": None, "synchronize": None}
+    x, y = batch(1, device)  # the batch's host-to-device copy comes before the mode is set
     torch.cuda.synchronize()
     try:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            backward(model, 1, device)
+            loss = F.cross_entropy(model(x), y)
+        except RuntimeError as exc:  # not the optimizer's: the model's forward synced (reported, not judged)
+            out["forward"] = str(exc).splitlines()[0][:160]
+            torch.cuda.set_sync_debug_mode(0)
+            loss = F.cross_entropy(model(x), y)
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
         except RuntimeError as exc:
             out["hook"] = str(exc).splitlines()[0][:160]
         if out["hook"] is None:
