@@ -29,7 +29,9 @@ A tensor takes the per-step rules of its compressor unchanged (``choose_path``: 
 the hybrid cost rule, the axis); it travels dense during the first ``warmup_syncs`` syncs and on a sync at
 which a member has joined (Horovod's ``hvd.join()``: joined members add zeros, so the sum is divided by the
 number of active members). A dense tensor of the sparse path sends ``a_r`` (its residual released), as on the
-per-step path. With one process nothing is communicated; the outer step still runs on the local delta.
+per-step path. With one process nothing is communicated, the outer step still runs on the local delta, unless
+``exchange_when_alone``: then a sync runs as at any world size (selection or low-bit coding, error feedback,
+the collectives over a world of one), for checking a backend end to end on one device.
 
 ``sync_now()`` syncs at any step (a shorter interval; the next starts there), so that a run that stops
 mid-interval ends with one model on every rank; ``sync_now(average=True)`` applies that sync's average as it
@@ -89,10 +91,15 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
             e.g. ``Compression.fp16``) or None (dense).
         warmup_syncs: the first N syncs travel dense.
         comm: the engine's communicator (module docstring).
+        exchange_when_alone: with one process, sync through the exchange anyway (module docstring). Default False.
     """
 
-    def __init__(self, named_parameters, sync_every: int, outer: Outer, compression, warmup_syncs: int, comm) -> None:
+    def __init__(self, named_parameters, sync_every: int, outer: Outer, compression, warmup_syncs: int, comm,
+                 exchange_when_alone: bool = False) -> None:
         check_settings(sync_every, outer, compression)
+        if not isinstance(exchange_when_alone, bool):
+            raise TypeError(f"exchange_when_alone must be True or False, got {exchange_when_alone!r}")
+        self.exchange_when_alone = exchange_when_alone
         self.sync_every, self.outer, self.comm = int(sync_every), outer, comm
         self.warmup_syncs = int(warmup_syncs)
         self.params: List[Tuple[str, torch.Tensor]] = sorted(
@@ -126,7 +133,8 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
 
     def describe(self) -> dict:
         """What every rank must agree on (for the configuration check)."""
-        return {"sync_every": self.sync_every, "outer": self.outer.config(), "warmup_steps": self.warmup_syncs}
+        return {"sync_every": self.sync_every, "outer": self.outer.config(), "warmup_steps": self.warmup_syncs,
+                "exchange_when_alone": self.exchange_when_alone}
 
     def begin(self) -> None:
         """Before the first inner step (after the initial broadcast): the outer parameters are a copy of the
@@ -179,8 +187,9 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
         """The outer exchange and step (module docstring); every rank calls it at the same step. ``average``:
         the averaged pseudo-gradient is applied as it is (lr 1, the outer momentum left as it was)."""
         world = self.comm.size()
-        active = self.comm.active_members("hat.outer.active") if world > 1 else 1
-        dense_round = self.syncs < self.warmup_syncs or active < world or world == 1
+        alone = world == 1 and not self.exchange_when_alone  # nothing to exchange: the local delta is the average
+        active = self.comm.active_members("hat.outer.active") if not alone else 1
+        dense_round = self.syncs < self.warmup_syncs or active < world or alone
         if self.memory is not None and self.outer.feedback_decay != 1.0:
             self.memory.scale_(self.outer.feedback_decay, velocities=False)  # e_r <- beta e_r, before delta is added
         with torch.no_grad():
@@ -188,7 +197,7 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
             for name, p in self.params:
                 kind, data = self._route(name, self.theta[name] - p.detach(), dense_round, world, active)
                 groups[kind][1].append(payload.Item(name, self.infos[name], data))
-            if world == 1:
+            if alone:
                 averages = {it.name: it.data.view(it.info.shape) for it in groups["dense"][1]}
             else:
                 averages = payload.run(self.comm, self.stats, list(groups.values()))
@@ -215,7 +224,8 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
 
     def _route(self, name: str, delta: torch.Tensor, dense_round: bool, world: int, active: int):
         """(kind, what it encodes) of one tensor's pseudo-gradient at this sync."""
-        low_bit = self.outer.value_bits is not None and world > 1 and active == world
+        low_bit = (self.outer.value_bits is not None and (world > 1 or self.exchange_when_alone)
+                   and active == world)
         if self.sparse_path[name] and not dense_round:
             s = self.sparsifier.select(delta, self.infos[name], self.syncs)
             plan = self._fitting_plan(name, s, world)

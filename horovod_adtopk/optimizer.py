@@ -55,8 +55,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-                 profile_rounds, warmup_steps, hierarchical=False, overlap=False, exchange="allgather"):
+                 profile_rounds, warmup_steps, hierarchical=False, overlap=False, exchange="allgather",
+                 exchange_when_alone=False):
         super(self.__class__, self).__init__(params)
+        self._exchange_when_alone = exchange_when_alone
         named = _check_named_parameters(named_parameters, self.param_groups)
         self._compression = compression
         self._sparse = is_sparse(compression)
@@ -96,8 +98,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._set_groups(groups)
         if self._hierarchical_setting is not False and self._comm.included():
             self._start_hierarchical(groups)
-        # With one process nothing is communicated (as Horovod); elastic jobs may grow, so they hook anyway.
-        self._communicating = self._comm.included() and (communicator.world_size() > 1
+        # With one process nothing is communicated (as Horovod) unless ``exchange_when_alone``; elastic jobs may
+        # grow, so they hook anyway.
+        self._communicating = self._comm.included() and (communicator.world_size() > 1 or exchange_when_alone
                                                          or os.environ.get("HOROVOD_ELASTIC") == "1")
         self._requires_update = ({p for group in self.param_groups for p in group["params"] if p.requires_grad}
                                  if self._communicating else set())
@@ -132,7 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                    self._hier, self._world(), self._stats, self._sender)
 
     def _describe(self) -> dict:
-        return dict(self._describe_base(), exchange=self._exchange)
+        return dict(self._describe_base(), exchange=self._exchange, exchange_when_alone=self._exchange_when_alone)
 
     def _describe_base(self) -> dict:
         return config_check.describe(
@@ -360,8 +363,11 @@ def _make_groups(groups, names: dict, infos: dict, sparse_path: dict) -> Dict[to
 
 
 def _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical=False, overlap=False) -> None:
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical=False, overlap=False,
+                     exchange_when_alone=False) -> None:
     overlap_.check_setting(overlap)
+    if not isinstance(exchange_when_alone, bool):
+        raise TypeError(f"exchange_when_alone must be True or False, got {exchange_when_alone!r}")
     if not (hierarchical is True or hierarchical is False or hierarchical == "auto"):
         raise ValueError(f"hierarchical must be False, True or \"auto\", got {hierarchical!r}")
     if op == hvd.Adasum:
@@ -393,7 +399,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
                          process_set=hvd.global_process_set, *, partial_sparsification: bool = False,
                          profile_rounds: int = 5, warmup_steps: int = 0, hierarchical=False, overlap=False,
-                         sync_every: Optional[int] = None, outer=None, exchange: str = "allgather"):
+                         sync_every: Optional[int] = None, outer=None, exchange: str = "allgather",
+                         exchange_when_alone: bool = False):
     """Wrap ``optimizer`` so gradients are averaged across ranks, sparsely where ``compression`` says so.
 
     The arguments of ``hvd.DistributedOptimizer``, in Horovod's order and with its meaning (hooks,
@@ -451,6 +458,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             on the owner). ``"auto"``: per tensor, whichever of allgather, sharded and allreduce the cost model
             (:mod:`horovod_adtopk.netcost`) finds cheapest at this world size. With ``sync_every`` set it on
             ``hat.Outer(exchange=...)`` instead (local steps default to ``"auto"``).
+        exchange_when_alone: with one process, run the whole exchange anyway (compression, error feedback, the
+            collectives over a world of one: per step in the gradient hooks, with ``sync_every`` at every sync)
+            instead of passing gradients through untouched, as ``hat.ddp.CompressionState(exchange_when_alone=...)``
+            does; for checking a backend end to end on one device (``scripts/gpu_check.sh``'s ``horovod`` stage
+            runs it over NCCL). At one rank the average is the rank's own decompressed selection, and the
+            residuals keep the rest. Default False.
 
     ``op`` must be ``hvd.Average`` or ``hvd.Sum``. Example::
 
@@ -464,14 +477,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                              f"optimizer: outer=hat.Outer.sgd(..., exchange={exchange!r})")
         return _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                       gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set,
-                                      partial_sparsification, warmup_steps, hierarchical, overlap, sync_every, outer)
+                                      partial_sparsification, warmup_steps, hierarchical, overlap, sync_every, outer,
+                                      exchange_when_alone)
     if num_groups != 0:
         warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in a future "
                       "version of Horovod; horovod_adtopk accepts it with the same meaning.", DeprecationWarning)
         if groups is None:
             groups = num_groups
     _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, profile_rounds,
-                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical, overlap)
+                     warmup_steps, sparse_as_dense, partial_sparsification, hierarchical, overlap, exchange_when_alone)
     # Adam-family optimizer + per-step sparse compression with error feedback: one warning on rank 0 naming the
     # setting the documentation's decision table gives for this world size (horovod_adtopk.advice)
     advice.advise(optimizer, compression, world_size=process_set.size(), rank=communicator.global_rank())
@@ -488,19 +502,19 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, elastic.ElasticAware), namespace)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-               profile_rounds, warmup_steps, hierarchical, overlap, exchange)
+               profile_rounds, warmup_steps, hierarchical, overlap, exchange, exchange_when_alone)
 
 
 def _local_steps_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                            gradient_predivide_factor, groups, sparse_as_dense, process_set, partial_sparsification,
-                           warmup_steps, hierarchical, overlap, sync_every, outer):
+                           warmup_steps, hierarchical, overlap, sync_every, outer, exchange_when_alone=False):
     """``DistributedOptimizer(..., sync_every=H)``: the inner optimizer plus the outer exchange over Horovod."""
     from . import local_optimizer, local_steps
 
     if sync_every is None:
         raise ValueError("outer= needs sync_every=H (the local steps between syncs), e.g. sync_every=10")
     _check_arguments(op, gradient_predivide_factor, backward_passes_per_step, compression, 5, warmup_steps,
-                     sparse_as_dense, partial_sparsification, hierarchical, overlap)
+                     sparse_as_dense, partial_sparsification, hierarchical, overlap, exchange_when_alone)
     refused = [(backward_passes_per_step != 1, "backward_passes_per_step (accumulate gradients before step() "
                 "yourself: nothing is communicated between syncs anyway)"),
                (op != hvd.Average, "op=hvd.Sum (the pseudo-gradients are averaged)"),
@@ -519,7 +533,7 @@ def _local_steps_optimizer(optimizer, named_parameters, compression, backward_pa
     named = _check_named_parameters(named_parameters, optimizer.param_groups)
     named = [(n, p) for n, p in named if p.requires_grad and _floating(p, n)]
     local = local_steps.LocalSteps(named, sync_every, local_steps.Outer.nesterov() if outer is None else outer,
-                                   compression, warmup_steps, comm)
+                                   compression, warmup_steps, comm, exchange_when_alone=exchange_when_alone)
     description = {"compression": _describe_compression(compression), "op": str(op), "engine": "horovod",
                    "sparse_as_dense": sparse_as_dense, "process_set": comm.size(),
                    "params": {n: [list(i.shape), str(i.dtype)] for n, i in sorted(local.infos.items())},

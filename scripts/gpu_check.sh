@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device check for the Triton selection kernels (horovod_adtopk/triton_kernels.py).
 #
-# Needs one CUDA GPU with PyTorch + Triton; no Horovod, no network. Run from the repository root:
+# Needs one CUDA GPU with PyTorch + Triton, no network; Horovod (built with NCCL operations) only for the
+# horovod stage, which fails with the reason where it is missing. Run from the repository root:
 #
 #     bash scripts/gpu_check.sh            # logs and JSON in ${OUT:-gpu_check_out}/
 #
@@ -23,7 +24,14 @@
 #                    gradients checked against the same runs on the CPU; then the step time of the 25M MLP
 #                    (1 process, NCCL) with DDP dense, DDP + ADTopk and DDP + PyTorch's PowerSGD hook.
 #                    JSON in $OUT/ddp_check.json.
-#   5. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
+#   5. horovod       benchmarks/hvd_gpu_check.py: the Horovod engine (hat.DistributedOptimizer) end to end as one
+#                    process (horovodrun -np 1, NCCL operations on CUDA tensors) with exchange_when_alone=True:
+#                    every compressor family's averaged gradients on CUDA against the same seed on the CPU
+#                    (positions equal but for near-ties, values within 1e-5 relative), the fixed-size rules'
+#                    gradient hooks under torch.cuda.set_sync_debug_mode("error"), local steps with 2-bit
+#                    values and hierarchical=True's fallback at one rank. Fails with a one-line reason where
+#                    Horovod (or its NCCL operations) is missing. JSON in $OUT/hvd_gpu_check.json.
+#   6. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
 #                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default)
 #                    for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors), on a
 #                    text made of the repository's own Markdown files (the GPU machine has no Shakespeare);
@@ -31,7 +39,7 @@
 #                    finite loss and with bitwise equal parameters on both ranks (the summary's
 #                    replicas_identical).
 #                    Summary in $OUT/gpt.json.
-#   6. gpt_local     the same job with local steps and the SparseLoCo-style outer exchange (ADTopk 0.05, H = 5,
+#   7. gpt_local     the same job with local steps and the SparseLoCo-style outer exchange (ADTopk 0.05, H = 5,
 #                    outer SGD lr 1, error feedback decayed by 0.95, 2-bit values: horovod_adtopk/quantize.py on
 #                    CUDA tensors) for 20 steps; checks cuda, density < 0.02 (elements; 0.01 for the sparse
 #                    tensors), a finite loss and equal parameters on both ranks.
@@ -40,9 +48,10 @@
 # GPU_CHECK_STAGES="versions ddp" runs only the stages named (to repeat one after a fix within the device time);
 # GPU_CHECK_LIMITS="tests=75 bench=40" gives the stages named other timeouts, and GPU_CHECK_BENCH_BUDGET_S
 # the seconds after which the bench starts no new shape (to fit what is left of a lease). The stages run in
-# the order versions, tests, ddp, gpt, gpt_local, bench: the checks of results before the timings.
+# the order versions, tests, ddp, horovod, gpt, gpt_local, bench: the checks of results before the timings.
 # GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
-# and the ddp stage on CPU tensors over Gloo with a small MLP (to check the script where there is no GPU).
+# the ddp stage on CPU tensors over Gloo with a small MLP and the horovod stage with --dry (CPU tensors, Gloo)
+# (to check the script where there is no GPU).
 set -u
 # Nothing is installed on the GPU machine: the package, the job and the benchmarks run from this checkout.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -99,9 +108,10 @@ except Exception as exc:  # reported, and the tests stage will fail or skip
     print("triton: not importable:", exc)
 try:
     import horovod  # noqa: F401
-    print("horovod: importable (not used here)")
-except Exception:
-    print("horovod: not importable (not needed here)")
+    import horovod.torch as hvd
+    print("horovod", horovod.__version__, "nccl ops", hvd.nccl_built(), "gloo", hvd.gloo_built())
+except Exception as exc:  # reported, and the horovod stage will fail with the reason
+    print("horovod: not importable (the horovod stage needs it):", exc)
 PYEOF
 }
 
@@ -294,6 +304,23 @@ ddp_check() {
     fi
 }
 
+horovod_check() {  # one process under horovodrun; a missing Horovod or launcher fails at once with the reason
+    local hvdrun controller
+    controller="$("$PY" -c "import horovod.torch as h; print('--gloo' if h.gloo_built() else '')" 2> /dev/null)" || {
+        echo "horovod stage: Horovod (horovod.torch) is not importable with $PY; nothing was run"
+        return 1
+    }
+    hvdrun="$(dirname "$(command -v "$PY")")/horovodrun"
+    [ -x "$hvdrun" ] || hvdrun="$(command -v horovodrun)" || {
+        echo "horovod stage: horovodrun is not installed beside $PY nor on PATH; nothing was run"
+        return 1
+    }
+    local dry=()
+    [ "$DRY" = "1" ] && dry=(--dry)
+    # shellcheck disable=SC2086
+    OMP_NUM_THREADS=2 "$hvdrun" -np 1 $controller "$PY" benchmarks/hvd_gpu_check.py "${dry[@]}" --out "$OUT_DIR"
+}
+
 gpt_job() {  # gpt_job NAME MAX_DENSITY LOG_MARK JOB_FLAGS...: 20 steps of the gpt job on 2 processes, then the checks
     local name="$1" max_density="$2" mark="$3" text="$OUT_DIR/gpt_text" torchrun
     shift 3
@@ -333,18 +360,20 @@ gpt_local() {  # density counts elements: about 0.05 / 5 for the sparse tensors,
 }
 
 export OUT_DIR PY DRY
-export -f versions run_tests bench ddp_check gpt_job gpt gpt_local
+export -f versions run_tests bench ddp_check horovod_check gpt_job gpt gpt_local
 
 if [ "$DRY" = "1" ]; then
-    echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter) and ddp stage (CPU, Gloo)"
+    echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter), ddp and horovod stages (CPU, Gloo)"
     run_stage bench 300 bench
     run_stage ddp 180 ddp_check
+    run_stage horovod 180 horovod_check
     run_stage gpt 180 gpt
     run_stage gpt_local 180 gpt_local
 else  # stage limits add up to 9.5 minutes; the checks of results first, the timings last
     run_stage versions 30 versions
-    run_stage tests 180 run_tests
+    run_stage tests 120 run_tests
     run_stage ddp 100 ddp_check
+    run_stage horovod 60 horovod_check
     run_stage gpt 70 gpt
     run_stage gpt_local 50 gpt_local
     run_stage bench 140 bench

@@ -390,3 +390,36 @@ def fold_resume(args, outdir):
         _train_steps(model, opt, rank, args["steps"], args["steps"] + 1)
         out[str(si)] = {"round": round_, "digest": params_digest(model)}
     return out
+
+
+def alone_cases(args, outdir):
+    """One rank, ``exchange_when_alone`` per case: the known gradients of :func:`feed_case` through the whole
+    exchange (or passed through), with what the test needs to recompute it (aggregates, residuals, stats); then
+    local steps with 2-bit values at this world of one."""
+    summary = []
+    for ci, case in enumerate(args["cases"]):
+        opt, arrays = feed_case(ci, case, exchange_when_alone=case["alone"])
+        mem = opt.state_dict()["horovod_adtopk"]["ranks"][hvd.rank()]["memory"]
+        for n, res in (mem.get("residuals") or {}).items():
+            arrays[f"res/{n.split('.', 1)[1]}"] = res.numpy()
+        np.savez(Path(outdir, f"case{ci}_rank{hvd.rank()}.npz"), **arrays)
+        st = opt.stats()
+        summary.append({"tensors": {n.split(".", 1)[1]: v for n, v in st["tensors"].items()},
+                        **{k: st[k] for k in ("steps", "density", "bytes_sent", "bytes_dense", "wire_bytes_sent",
+                                              "wire_bytes_received", "world_size")}})
+    local = {}
+    for alone in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(48, 32)
+        opt = hat.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(),
+                                       compression=hat.Compression.adtopk(ratio=0.1, min_numel=0), sync_every=2,
+                                       outer=hat.Outer.sgd(lr=1.0, value_bits=2), exchange_when_alone=alone)
+        for step in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 48, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            opt.step()
+        st = opt.stats()
+        local[str(alone)] = {"density": st["density"], "bytes_sent": st["bytes_sent"], "round": st["round"],
+                             "residual_tensors": st["memory"]["tensors"]}
+    return {"cases": summary, "local": local}
