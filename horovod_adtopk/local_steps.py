@@ -97,9 +97,7 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
     def __init__(self, named_parameters, sync_every: int, outer: Outer, compression, warmup_syncs: int, comm,
                  exchange_when_alone: bool = False) -> None:
         check_settings(sync_every, outer, compression)
-        if not isinstance(exchange_when_alone, bool):
-            raise TypeError(f"exchange_when_alone must be True or False, got {exchange_when_alone!r}")
-        self.exchange_when_alone = exchange_when_alone
+        self.exchange_when_alone = exchange_when_alone  # checked by the engines' factories
         self.sync_every, self.outer, self.comm = int(sync_every), outer, comm
         self.warmup_syncs = int(warmup_syncs)
         self.params: List[Tuple[str, torch.Tensor]] = sorted(
@@ -187,7 +185,7 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
         """The outer exchange and step (module docstring); every rank calls it at the same step. ``average``:
         the averaged pseudo-gradient is applied as it is (lr 1, the outer momentum left as it was)."""
         world = self.comm.size()
-        alone = world == 1 and not self.exchange_when_alone  # nothing to exchange: the local delta is the average
+        alone = self._alone(world)
         active = self.comm.active_members("hat.outer.active") if not alone else 1
         dense_round = self.syncs < self.warmup_syncs or active < world or alone
         if self.memory is not None and self.outer.feedback_decay != 1.0:
@@ -222,10 +220,13 @@ class LocalSteps(LocalStepsPlan, LocalStepsState):
                 "bf16": (payload.Bfloat16Gather(world, memory), []),
                 "codes": (payload.LowBitDenseGather(world, bits, group, memory), [])}
 
+    def _alone(self, world: int) -> bool:
+        """One process and no ``exchange_when_alone``: nothing to exchange, the local delta is the average."""
+        return world == 1 and not self.exchange_when_alone
+
     def _route(self, name: str, delta: torch.Tensor, dense_round: bool, world: int, active: int):
         """(kind, what it encodes) of one tensor's pseudo-gradient at this sync."""
-        low_bit = (self.outer.value_bits is not None and (world > 1 or self.exchange_when_alone)
-                   and active == world)
+        low_bit = self.outer.value_bits is not None and not self._alone(world) and active == world
         if self.sparse_path[name] and not dense_round:
             s = self.sparsifier.select(delta, self.infos[name], self.syncs)
             plan = self._fitting_plan(name, s, world)
