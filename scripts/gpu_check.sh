@@ -65,7 +65,8 @@
 # timings. GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
 # the ddp stage on CPU tensors over Gloo with a small MLP, the horovod stage with --dry (CPU tensors, Gloo) and
 # the hvd_jobs stage's three jobs on CPU tensors under horovodrun -np 2 --gloo (a few steps, two-layer GPTs),
-# where replicas_identical must be true (to check the script where there is no GPU).
+# where replicas_identical must be true (GPU_CHECK_HVD_JOBS_NP=1: one rank with --exchange-when-alone, as on the
+# GPU) (to check the script where there is no GPU).
 set -u
 # Nothing is installed on the GPU machine: the package, the job and the benchmarks run from this checkout.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -405,6 +406,8 @@ hvd_jobs() {  # examples/train.py under horovodrun: the CNN and the GPT with ADT
     if [ "$DRY" = "1" ]; then  # CPU tensors, 2 ranks over Gloo: the replicas' check applies; tiny runs
         np=2 controller=--gloo device=(--no-cuda) gpt_small=(--gpt-layers 2)
         cnn_steps=6 gpt_steps=3 recipe_steps=4
+        # GPU_CHECK_HVD_JOBS_NP=1: the GPU run's one rank with --exchange-when-alone, on the CPU
+        [ "${GPU_CHECK_HVD_JOBS_NP:-2}" = 1 ] && np=1 extra=(--exchange-when-alone)
     else  # one GPU: NCCL takes one rank only, so -np 1 with the exchange run over a world of one
         "$PY" -c "import sys, torch, horovod.torch as h; sys.exit(0 if h.nccl_built() and torch.cuda.is_available() else 1)" || {
             echo "hvd_jobs stage: needs Horovod built with NCCL operations (hvd.nccl_built()) and a CUDA device; nothing was run"
