@@ -5,8 +5,8 @@ local-steps recipe) through ``examples/train.py`` under a real ``horovodrun -np 
 checks each summary, ``replicas_identical`` among them. Without it, on a machine whose Horovod has no NCCL
 operations, the stage must refuse at once with the reason. Each launch runs in its own session under a timeout
 that kills the whole process group (tests.harness.run_command). The two-rank dry run takes about 70 s on 2 CPU
-cores, the one-rank one (the GPU run's shape, ``GPU_CHECK_HVD_JOBS_NP=1``) about 35 s of CPU time (90 s wall on a busy
-machine).
+cores, the one-rank one (the GPU run's shape, ``GPU_CHECK_HVD_JOBS_NP=1``) about 35 s of CPU time (90 s wall
+on a busy machine).
 """
 from __future__ import annotations
 
