@@ -41,8 +41,10 @@
 #                    the log says cuda, the steps, payload bytes counted by the exchange (bytes_sent > 0, which is
 #                    0 at one rank without --exchange-when-alone), 0 < density < bound, bytes sent / dense < bound,
 #                    the compression mark in the log, a finite test loss. replicas_identical needs two ranks, which
-#                    the NCCL build cannot put on one GPU: recorded as "not applicable at 1 rank". Fails with the
-#                    reason where Horovod with NCCL operations is missing. Never yet run on a GPU.
+#                    the NCCL build cannot put on one GPU: recorded as "not applicable at 1 rank". With a CUDA
+#                    build with CPU operations instead (scripts/horovod_gpu_kit.sh cpuops) the jobs run on 2 ranks
+#                    sharing the GPU over Gloo (CUDA tensors staged through host memory) and replicas_identical
+#                    must be true. Fails with the reason where neither build is there. Never yet run on a GPU.
 #                    JSON in $OUT/hvd_jobs.json (and each job's summary and log in $OUT/hvd_jobs_*).
 #   6. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
 #                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default)
@@ -408,12 +410,20 @@ hvd_jobs() {  # examples/train.py under horovodrun: the CNN and the GPT with ADT
         cnn_steps=6 gpt_steps=3 recipe_steps=4
         # GPU_CHECK_HVD_JOBS_NP=1: the GPU run's one rank with --exchange-when-alone, on the CPU
         [ "${GPU_CHECK_HVD_JOBS_NP:-2}" = 1 ] && np=1 extra=(--exchange-when-alone)
-    else  # one GPU: NCCL takes one rank only, so -np 1 with the exchange run over a world of one
-        "$PY" -c "import sys, torch, horovod.torch as h; sys.exit(0 if h.nccl_built() and torch.cuda.is_available() else 1)" || {
-            echo "hvd_jobs stage: needs Horovod built with NCCL operations (hvd.nccl_built()) and a CUDA device; nothing was run"
-            return 1
-        }
-        np=1 extra=(--exchange-when-alone) bf16=(--bf16)
+    else
+        local build
+        build="$("$PY" -c "import torch, horovod.torch as h
+print('nocuda' if not torch.cuda.is_available() else 'nccl' if h.nccl_built() else 'cpuops' if h.cuda_built() else 'cpu')")"
+        case "$build" in
+            nccl)  # one GPU: NCCL takes one rank only, so -np 1 with the exchange run over a world of one
+                np=1 extra=(--exchange-when-alone) ;;
+            cpuops)  # a CUDA build with CPU operations (horovod_gpu_kit.sh cpuops): 2 ranks share the GPU over Gloo
+                np=2 controller=--gloo ;;
+            *)
+                echo "hvd_jobs stage: needs a CUDA device and Horovod built with NCCL operations (hvd.nccl_built()) or for CUDA with CPU operations (found: $build); nothing was run"
+                return 1 ;;
+        esac
+        bf16=(--bf16)
         cnn_steps=40 gpt_steps=20 recipe_steps=20
     fi
     hvd_fmnist "$fm" || return 1

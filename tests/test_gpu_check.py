@@ -82,6 +82,6 @@ def test_hvd_jobs_dry_one_rank_exchanges_alone(tmp_path):
 def test_hvd_jobs_refuses_without_nccl(tmp_path):
     rc, out, _ = _gpu_check(tmp_path, dry=False, timeout=120)
     assert rc == 1, f"exit {rc}\n{out[-4000:]}"
-    assert "hvd_jobs stage: needs Horovod built with NCCL operations" in out, out[-4000:]
+    assert "hvd_jobs stage: needs a CUDA device and Horovod built with NCCL operations" in out, out[-4000:]
     assert "!!! stage hvd_jobs failed" in out
     assert not list(tmp_path.glob("hvd_jobs_*.json"))  # nothing was run
