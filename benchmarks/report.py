@@ -801,7 +801,10 @@ stream that had not waited for every collective); the fix is in the DDP bucket c
 but no GPU session has re-run `GPU_CHECK_STAGES=ddp bash scripts/gpu_check.sh` since.
 
 **Never run on a GPU:** Horovod (any collective), more than one GPU, NCCL across processes, step times of
-a real multi-GPU job, the convergence grids.
+a real multi-GPU job, the convergence grids. Prepared for the next session and checked only in their CPU dry
+mode: the `horovod` stage of `scripts/gpu_check.sh` (every compressor family through Horovod's NCCL operations
+at one rank against the CPU) and its `hvd_jobs` stage (the job's CNN, GPT and local-steps recipe under
+`horovodrun` on CUDA; the command: [GPUs](guides/gpu.md#the-next-gpu-run)).
 
 {prov_line(*provs)}
 """

@@ -2,12 +2,13 @@
 # Device check for the Triton selection kernels (horovod_adtopk/triton_kernels.py).
 #
 # Needs one CUDA GPU with PyTorch + Triton, no network; Horovod (built with NCCL operations) only for the
-# horovod stage, which fails with the reason where it is missing. Run from the repository root:
+# horovod and hvd_jobs stages, which fail with the reason where it is missing. Run from the repository root:
 #
 #     bash scripts/gpu_check.sh            # logs and JSON in ${OUT:-gpu_check_out}/
 #
 # Stages (each under its own timeout; a failed stage does not stop the next; the exit status is non-zero
-# if any stage failed), sized to finish within about 9.5 minutes:
+# if any stage failed), sized to about 11 minutes in all (over one 10-minute command: name the stages wanted in
+# GPU_CHECK_STAGES):
 #   1. versions      nvidia-smi, python, torch, triton, the CUDA device
 #   2. tests         pytest tests/test_triton_kernels.py on CUDA (in parallel where pytest-xdist is installed)
 #   3. bench         CUDA-event timings (median of 20 after warm-up) on the largest tensors of ResNet-50,
@@ -31,6 +32,20 @@
 #                    gradient hooks under torch.cuda.set_sync_debug_mode("error"), local steps with 2-bit
 #                    values and hierarchical=True's fallback at one rank. Fails with a one-line reason where
 #                    Horovod (or its NCCL operations) is missing. JSON in $OUT/hvd_gpu_check.json.
+#   5b. hvd_jobs     examples/train.py under horovodrun on CUDA, as one process with NCCL operations and
+#                    --exchange-when-alone (NCCL takes one rank per GPU): the CNN main job (ADTopk 0.01 per step,
+#                    40 steps, on a small synthetic Fashion-MNIST written as IDX files: the GPU machine has no
+#                    dataset), the GPT job (ADTopk 0.01 per step, bf16 autocast, 20 steps) and the README's
+#                    local-steps recipe for AdamW (ADTopk 0.25, H = 4, outer SGD lr 1, feedback decay 0.95, 2-bit
+#                    values in groups of 64; 20 steps), both GPT jobs on the repository's Markdown. Checks per job:
+#                    the log says cuda, the steps, payload bytes counted by the exchange (bytes_sent > 0, which is
+#                    0 at one rank without --exchange-when-alone), 0 < density < bound, bytes sent / dense < bound,
+#                    the compression mark in the log, a finite test loss. replicas_identical needs two ranks, which
+#                    the NCCL build cannot put on one GPU: recorded as "not applicable at 1 rank". With a CUDA
+#                    build with CPU operations instead (scripts/horovod_gpu_kit.sh cpuops) the jobs run on 2 ranks
+#                    sharing the GPU over Gloo (CUDA tensors staged through host memory) and replicas_identical
+#                    must be true. Fails with the reason where neither build is there. Never yet run on a GPU.
+#                    JSON in $OUT/hvd_jobs.json (and each job's summary and log in $OUT/hvd_jobs_*).
 #   6. gpt           the transformer job (examples/train.py --model gpt, AdamW, bf16 autocast, the tied head) with
 #                    ADTopk (the per-step hook; whole columns joined into fibers of >= 2,048, the job's default)
 #                    for 20 steps: 2 processes on the one GPU through the DDP engine (Gloo, CUDA tensors), on a
@@ -48,10 +63,12 @@
 # GPU_CHECK_STAGES="versions ddp" runs only the stages named (to repeat one after a fix within the device time);
 # GPU_CHECK_LIMITS="tests=75 bench=40" gives the stages named other timeouts, and GPU_CHECK_BENCH_BUDGET_S
 # the seconds after which the bench starts no new shape (to fit what is left of a lease). The stages run in
-# the order versions, tests, ddp, horovod, gpt, gpt_local, bench: the checks of results before the timings.
-# GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
-# the ddp stage on CPU tensors over Gloo with a small MLP and the horovod stage with --dry (CPU tensors, Gloo)
-# (to check the script where there is no GPU).
+# the order versions, tests, ddp, horovod, hvd_jobs, gpt, gpt_local, bench: the checks of results before the
+# timings. GPU_CHECK_DRY=1 runs the benchmark stage on CPU tensors under the Triton interpreter with tiny shapes,
+# the ddp stage on CPU tensors over Gloo with a small MLP, the horovod stage with --dry (CPU tensors, Gloo) and
+# the hvd_jobs stage's three jobs on CPU tensors under horovodrun -np 2 --gloo (a few steps, two-layer GPTs),
+# where replicas_identical must be true (GPU_CHECK_HVD_JOBS_NP=1: one rank with --exchange-when-alone, as on the
+# GPU) (to check the script where there is no GPU).
 set -u
 # Nothing is installed on the GPU machine: the package, the job and the benchmarks run from this checkout.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -359,21 +376,150 @@ gpt_local() {  # density counts elements: about 0.05 / 5 for the sparse tensors,
         --outer-momentum 0 --outer-feedback-decay 0.95 --outer-value-bits 2
 }
 
+hvd_fmnist() {  # hvd_fmnist DIR: a small synthetic Fashion-MNIST as IDX files (the GPU machine has no dataset)
+    "$PY" - "$1" <<'PYEOF'
+import os, sys
+import numpy as np
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+rng = np.random.default_rng(0)
+for split, n in (("train", 2048), ("t10k", 512)):  # noise plus a bright band of columns placed by the label
+    labels = rng.integers(0, 10, n)
+    images = rng.integers(0, 60, (n, 28, 28)) + 150 * (np.arange(28)[None, None, :] // 3 == labels[:, None, None])
+    for name, arr in ((f"{split}-images-idx3-ubyte", images), (f"{split}-labels-idx1-ubyte", labels)):
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(bytes([0, 0, 8, arr.ndim]) + np.array(arr.shape, dtype=">u4").tobytes())
+            f.write(arr.astype(np.uint8).tobytes())
+PYEOF
+}
+
+hvd_jobs() {  # examples/train.py under horovodrun: the CNN and the GPT with ADTopk per step, the transformer recipe
+    local hvdrun controller np device=() extra=() gpt_small=() bf16=() text="$OUT_DIR/gpt_text" fm="$OUT_DIR/hvd_fmnist"
+    local cnn_steps gpt_steps recipe_steps failed=0
+    controller="$("$PY" -c "import horovod.torch as h; print('--gloo' if h.gloo_built() else '')" 2> /dev/null)" || {
+        echo "hvd_jobs stage: Horovod (horovod.torch) is not importable with $PY; nothing was run"
+        return 1
+    }
+    hvdrun="$(dirname "$(command -v "$PY")")/horovodrun"
+    [ -x "$hvdrun" ] || hvdrun="$(command -v horovodrun)" || {
+        echo "hvd_jobs stage: horovodrun is not installed beside $PY nor on PATH; nothing was run"
+        return 1
+    }
+    if [ "$DRY" = "1" ]; then  # CPU tensors, 2 ranks over Gloo: the replicas' check applies; tiny runs
+        np=2 controller=--gloo device=(--no-cuda) gpt_small=(--gpt-layers 2)
+        cnn_steps=6 gpt_steps=3 recipe_steps=4
+        # GPU_CHECK_HVD_JOBS_NP=1: the GPU run's one rank with --exchange-when-alone, on the CPU
+        [ "${GPU_CHECK_HVD_JOBS_NP:-2}" = 1 ] && np=1 extra=(--exchange-when-alone)
+    else
+        local build
+        build="$("$PY" -c "import torch, horovod.torch as h
+print('nocuda' if not torch.cuda.is_available() else 'nccl' if h.nccl_built() else 'cpuops' if h.cuda_built() else 'cpu')")"
+        case "$build" in
+            nccl)  # one GPU: NCCL takes one rank only, so -np 1 with the exchange run over a world of one
+                np=1 extra=(--exchange-when-alone) ;;
+            cpuops)  # a CUDA build with CPU operations (horovod_gpu_kit.sh cpuops): 2 ranks share the GPU over Gloo
+                np=2 controller=--gloo ;;
+            *)
+                echo "hvd_jobs stage: needs a CUDA device and Horovod built with NCCL operations (hvd.nccl_built()) or for CUDA with CPU operations (found: $build); nothing was run"
+                return 1 ;;
+        esac
+        bf16=(--bf16)
+        cnn_steps=40 gpt_steps=20 recipe_steps=20
+    fi
+    hvd_fmnist "$fm" || return 1
+    mkdir -p "$text"
+    for f in README.md BENCHMARKS.md; do cp "$f" "$text/${f%.md}.txt"; done
+    local common=(--no-progress --log-every 0 --test-batches 2 "${device[@]}" "${extra[@]}")
+    run_hvd_job() {  # run_hvd_job NAME STEPS FLAGS...: one job; its output also in $OUT_DIR/hvd_jobs_NAME.log
+        local name="$1" steps="$2"
+        shift 2
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=2 "$hvdrun" -np "$np" $controller "$PY" examples/train.py "$@" "${common[@]}" \
+            --max-steps "$steps" --summary-json "$OUT_DIR/hvd_jobs_$name.json" 2>&1 | tee "$OUT_DIR/hvd_jobs_$name.log"
+        return "${PIPESTATUS[0]}"
+    }
+    rm -f "$OUT_DIR"/hvd_jobs_*.json
+    run_hvd_job cnn "$cnn_steps" --data-dir "$fm" --epochs 5 --compressor adtopk --ratio 0.01 --no-warmup || failed=1
+    run_hvd_job gpt "$gpt_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" "${bf16[@]}" \
+        --epochs 20 --compressor adtopk --ratio 0.01 --no-warmup --error-feedback-on gradient || failed=1
+    # README's local-steps recipe for AdamW: ADTopk 0.25, H = 4, outer SGD lr 1, feedback decay 0.95, 2-bit values
+    run_hvd_job recipe "$recipe_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" \
+        --epochs 20 --compressor adtopk --ratio 0.25 --sync-every 4 --outer-lr 1 --outer-momentum 0 \
+        --outer-feedback-decay 0.95 --outer-value-bits 2 --outer-value-group 64 || failed=1
+    [ "$failed" = 0 ] || echo "hvd_jobs stage: a job exited non-zero (logs: $OUT_DIR/hvd_jobs_*.log)"
+    # Each job's checks from its summary and log: device, ranks, steps, compressed, finite loss, equal replicas
+    "$PY" - "$OUT_DIR" "$DRY" "$np" "$cnn_steps" "$gpt_steps" "$recipe_steps" <<'PYEOF' || failed=1
+import json, math, os, sys
+out, dry, np_, *steps = sys.argv[1:]
+np_ = int(np_)
+want = "cpu" if dry == "1" else "cuda"
+# name: (steps, the most density (elements sent / elements; 0 means nothing went through the exchange), the
+# most payload bytes sent / dense bytes, a mark its log must hold)
+jobs = {"cnn": (int(steps[0]), 0.02, 0.03, "compressor adtopk: ratio 0.01"),
+        "gpt": (int(steps[1]), 0.1, 0.1, "short columns joined"),
+        "recipe": (int(steps[2]), 0.08, 0.04, "2-bit values")}
+record = {"device": want, "ranks": np_, "exchange_when_alone": np_ == 1, "jobs": {}}
+ok_all = True
+for name, (n_steps, max_density, max_bytes, mark) in jobs.items():
+    path, log_path = f"{out}/hvd_jobs_{name}.json", f"{out}/hvd_jobs_{name}.log"
+    if not os.path.exists(path):
+        print(f"{name}: no summary ({path}), the job did not finish: FAILED")
+        record["jobs"][name] = {"ok": False, "failed_checks": ["no summary"]}
+        ok_all = False
+        continue
+    res, log = json.load(open(path)), open(log_path).read()
+    bytes_frac = res["bytes_sent"] / res["bytes_dense"] if res["bytes_dense"] else float("nan")
+    checks = {
+        f"ran on {want}": f"{np_} rank(s) (horovod init, {want})" in log,
+        f"{np_} rank(s) in the summary": res["world_size"] == np_,
+        f"{n_steps} steps": res["step"] == n_steps,
+        "payload bytes counted by the exchange (bytes_sent > 0)": res["bytes_sent"] > 0,
+        f"density in (0, {max_density})": 0 < res["density"] < max_density,
+        f"bytes sent / dense < {max_bytes}": bytes_frac < max_bytes,
+        f"log holds {mark!r}": mark in log,
+        "finite test loss": math.isfinite(res["test_loss"]),
+    }
+    if np_ > 1:
+        checks["replicas_identical"] = res.get("replicas_identical") is True
+        same = "bitwise equal" if res.get("replicas_identical") is True else "DIFFER"
+    else:  # the summary's True at one rank compares nothing
+        same = "not applicable at 1 rank"
+    failed = [k for k, v in checks.items() if not v]
+    ok_all = ok_all and not failed
+    record["jobs"][name] = {"ok": not failed, "failed_checks": failed, "steps": res["step"],
+                            "density": res["density"], "bytes_sent": res["bytes_sent"],
+                            "bytes_dense": res["bytes_dense"], "test_loss": res["test_loss"],
+                            "wall_time": res["wall_time"],
+                            "replicas_identical": res.get("replicas_identical") if np_ > 1 else same}
+    print(f"{name}: {want}, {np_} rank(s), {res['step']} steps, density {res['density']:.5f}, payload bytes "
+          f"{bytes_frac:.4f} of dense, test loss {res['test_loss']:.3f}, replicas {same}: "
+          + ("ok" if not failed else "FAILED: " + "; ".join(failed)))
+record["ok"] = ok_all
+with open(f"{out}/hvd_jobs.json", "w") as f:
+    json.dump(record, f, indent=1)
+print(f"hvd_jobs: {'all checks passed' if ok_all else 'FAILED'} (record: {out}/hvd_jobs.json)")
+sys.exit(0 if ok_all else 1)
+PYEOF
+    return "$failed"
+}
+
 export OUT_DIR PY DRY
-export -f versions run_tests bench ddp_check horovod_check gpt_job gpt gpt_local
+export -f versions run_tests bench ddp_check horovod_check hvd_fmnist hvd_jobs gpt_job gpt gpt_local
 
 if [ "$DRY" = "1" ]; then
-    echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter), ddp and horovod stages (CPU, Gloo)"
+    echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter), ddp, horovod and hvd_jobs stages (CPU, Gloo)"
     run_stage bench 300 bench
     run_stage ddp 180 ddp_check
     run_stage horovod 180 horovod_check
+    run_stage hvd_jobs 300 hvd_jobs
     run_stage gpt 180 gpt
     run_stage gpt_local 180 gpt_local
-else  # stage limits add up to 9.5 minutes; the checks of results first, the timings last
+else  # stage limits add up to 11 minutes; the checks of results first, the timings last
     run_stage versions 30 versions
     run_stage tests 120 run_tests
     run_stage ddp 100 ddp_check
     run_stage horovod 60 horovod_check
+    run_stage hvd_jobs 90 hvd_jobs  # three horovodrun launches of about 20 s each (the gpt stage took 25 s)
     run_stage gpt 70 gpt
     run_stage gpt_local 50 gpt_local
     run_stage bench 140 bench

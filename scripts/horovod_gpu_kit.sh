@@ -5,6 +5,14 @@
 #   bash scripts/horovod_gpu_kit.sh prepare   # here, with a network: the sdist and its sums into the kit folder
 #   bash scripts/horovod_gpu_kit.sh dry       # here: everything but compiling (sums, patch, environment)
 #   bash scripts/horovod_gpu_kit.sh build     # on the GPU machine, offline: build (or install a carried wheel)
+#   bash scripts/horovod_gpu_kit.sh cpuops    # the same for a CUDA build with CPU operations (see below)
+#   bash scripts/horovod_gpu_kit.sh dry cpuops  # here: `dry` for that build
+#
+# `cpuops` builds Horovod for the CUDA torch without GPU operations (HOROVOD_GPU_OPERATIONS unset, no NCCL): its
+# torch ops stage CUDA tensors through host memory and run Horovod's CPU operations over Gloo, so that several
+# ranks can share the one GPU (NCCL refuses two ranks on one GPU): `horovodrun -np 2 --gloo`. Its wheel has its own
+# KEY (..._cpuops_...); installing it replaces the NCCL build in that Python, and `build` puts that one back (from
+# the carried or the kit's wheel: seconds).
 #
 # The kit folder is build/gpu_kit/ (ignored by git; HOROVOD_GPU_KIT_DIR names another). It holds the sdist as
 # downloaded, deps/ (the wheels `import horovod.torch` needs beyond torch, for a Python 3.12), SHA256SUMS and
@@ -35,6 +43,7 @@ PATCH="$ROOT/scripts/patch_horovod.sh"
 DEPS="cloudpickle==3.1.3 packaging==26.4 psutil==7.2.2 pyyaml==6.0.4"
 DEPS_PY=3.12
 PATCH_HASH=$(sha256sum "$PATCH" | cut -c1-8)
+VARIANT=nccl  # nccl: NCCL GPU operations (build); cpuops: CUDA tensors through the CPU operations (cpuops)
 
 # the cores this process may use (nproc alone would follow OMP_NUM_THREADS)
 JOBS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
@@ -169,16 +178,26 @@ make_links() {
 # build_env LINKS: exports the build's variables (and lists them in BUILD_VARS)
 build_env() {
   local links="$1"
-  BUILD_VARS="HOROVOD_GPU_OPERATIONS HOROVOD_CUDA_HOME HOROVOD_NCCL_HOME HOROVOD_NCCL_INCLUDE HOROVOD_NCCL_LIB
+  BUILD_VARS="HOROVOD_GPU_OPERATIONS HOROVOD_GPU HOROVOD_CUDA_HOME HOROVOD_NCCL_HOME HOROVOD_NCCL_INCLUDE HOROVOD_NCCL_LIB
     HOROVOD_NCCL_LINK HOROVOD_BUILD_CUDA_CC_LIST HOROVOD_WITH_PYTORCH HOROVOD_WITH_GLOO HOROVOD_WITHOUT_TENSORFLOW
     HOROVOD_WITHOUT_MXNET HOROVOD_WITH_MPI HOROVOD_WITHOUT_MPI HOROVOD_WITHOUT_NVTX CMAKE_POLICY_VERSION_MINIMUM
     MAKEFLAGS LIBRARY_PATH LD_LIBRARY_PATH CUDA_RUNTIME"
-  export HOROVOD_GPU_OPERATIONS=NCCL
   export HOROVOD_CUDA_HOME="${CUDA_PREFIX:+$links/cuda}"
-  export HOROVOD_NCCL_HOME="${NCCL_INC:+$(dirname "$NCCL_INC")}"
-  export HOROVOD_NCCL_INCLUDE="$NCCL_INC"
-  export HOROVOD_NCCL_LIB="${NCCL_SO:+$links/lib}"
-  export HOROVOD_NCCL_LINK=SHARED
+  if [ "$VARIANT" = cpuops ]; then
+    # no GPU operation defined: the CUDA torch makes horovod/torch's CMake add CUDA itself, and its ops register
+    # the CUDA tensors' *CudaOnCPU entry points (copy to host, the CPU operation, copy back)
+    unset HOROVOD_GPU_OPERATIONS HOROVOD_GPU_ALLREDUCE HOROVOD_GPU_ALLGATHER HOROVOD_GPU_BROADCAST \
+      HOROVOD_GPU_ALLTOALL HOROVOD_GPU_REDUCESCATTER HOROVOD_NCCL_HOME HOROVOD_NCCL_INCLUDE HOROVOD_NCCL_LIB \
+      HOROVOD_NCCL_LINK
+    export HOROVOD_GPU=CUDA
+  else
+    unset HOROVOD_GPU
+    export HOROVOD_GPU_OPERATIONS=NCCL
+    export HOROVOD_NCCL_HOME="${NCCL_INC:+$(dirname "$NCCL_INC")}"
+    export HOROVOD_NCCL_INCLUDE="$NCCL_INC"
+    export HOROVOD_NCCL_LIB="${NCCL_SO:+$links/lib}"
+    export HOROVOD_NCCL_LINK=SHARED
+  fi
   export HOROVOD_BUILD_CUDA_CC_LIST="${HOROVOD_BUILD_CUDA_CC_LIST:-90}"
   export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
   # NVTX: CUDA 13 ships only the header-only NVTX 3, which Horovod 0.28.1's CMake does not look for.
@@ -211,11 +230,11 @@ print_env() {
 }
 
 py_key() {  # py_key PY: the wheel's key for this Python and torch, or fails
-  "$1" - "$HOROVOD_VERSION" "$PATCH_HASH" <<'PYEOF'
+  "$1" - "$HOROVOD_VERSION" "$PATCH_HASH" "$VARIANT" <<'PYEOF'
 import sys
 import torch
 v = sys.version_info
-print(f"horovod-{sys.argv[1]}_torch-{torch.__version__.replace('+', '_')}_cp{v[0]}{v[1]}_nccl_patch-{sys.argv[2]}")
+print(f"horovod-{sys.argv[1]}_torch-{torch.__version__.replace('+', '_')}_cp{v[0]}{v[1]}_{sys.argv[3]}_patch-{sys.argv[2]}")
 PYEOF
 }
 
@@ -254,9 +273,10 @@ with tempfile.TemporaryDirectory() as tmp:
 PYEOF
 }
 
-verify() {  # verify PY: Horovod imports, initialises and has NCCL built
+verify() {  # verify PY: Horovod imports, initialises and has NCCL built (cpuops: CUDA without NCCL)
   # the Gloo controller: a lone process needs no launcher (an MPI build would otherwise start MPI as a singleton)
-  (cd "${TMPDIR:-/tmp}" && HOROVOD_CONTROLLER=gloo HOROVOD_CPU_OPERATIONS=gloo "$1" - <<'PYEOF'
+  (cd "${TMPDIR:-/tmp}" && HOROVOD_CONTROLLER=gloo HOROVOD_CPU_OPERATIONS=gloo "$1" - "$VARIANT" <<'PYEOF'
+import sys
 import torch
 import horovod
 import horovod.torch as hvd
@@ -268,8 +288,18 @@ try:
     print(f"[gpu_kit] gpu_available('torch') = {gpu_available('torch')}, cuda available {torch.cuda.is_available()}")
 except ImportError:
     pass
-assert hvd.nccl_built(), "Horovod was built without NCCL"
 assert hvd.gloo_built(), "Horovod was built without Gloo"
+if sys.argv[1] == "cpuops":
+    assert not hvd.nccl_built(), "the cpuops build has NCCL operations (CUDA tensors would go to NCCL)"
+    assert hvd.cuda_built(), "the cpuops build has no CUDA (CUDA tensors would be refused)"
+    if torch.cuda.is_available():  # a CUDA tensor through the CPU operations comes back on its device
+        x = torch.arange(6, dtype=torch.float32, device="cuda")
+        y = hvd.allreduce(x, op=hvd.Sum, name="kit.verify")
+        z = hvd.allgather(x, name="kit.verify.gather")
+        assert y.is_cuda and torch.equal(y, x) and z.is_cuda and torch.equal(z, x), (y, z)
+        print("[gpu_kit] a CUDA tensor through allreduce and allgather (CPU operations): ok")
+else:
+    assert hvd.nccl_built(), "Horovod was built without NCCL"
 PYEOF
   )
 }
@@ -333,19 +363,27 @@ dry() {
   say "MPI compiler: $(command -v mpicxx || echo 'not found (the build would set HOROVOD_WITHOUT_MPI=1)')"
   make_links "$scratch/links"
   build_env "$scratch/links"
+  if [ "$VARIANT" = cpuops ]; then
+    say "variant cpuops: no GPU operations, no NCCL: CUDA tensors through the CPU operations (Gloo)"
+  fi
   say "links it would make (private folder LINKS):"
   (cd "$scratch/links" && find . -maxdepth 3 -type l \( -name 'libcudart.so' -o -name 'libnccl.so' -o -name 'libcuda.so' \) \
       -printf '    LINKS/%P -> %l\n' | sort)
   say "the environment it would export (LINKS: a private folder of links in the kit):"
   print_env | sed "s|$scratch/links|LINKS|g"
   # the wheel's key imports torch (seconds): only for a Python that could build (one with NCCL)
-  if [ -n "$NCCL_INC" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  if { [ "$VARIANT" = cpuops ] || [ -n "$NCCL_INC" ]; } \
+      && "$py" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
     say "wheel key for this Python: $(py_key "$py")"
   fi
   say "CMake configure: skipped: Horovod's configure enables PyTorch only with a torch importable by the build's"
   say "  Python, checks CUDA torch against HOROVOD_GPU_OPERATIONS, and FindNCCL needs nccl.h and libnccl;"
-  [ -n "$NCCL_INC" ] || say "  here the Python has no nvidia.nccl, so the configure would fail on NCCL, not on the kit"
-  [ -n "$NCCL_INC" ] && say "  here NCCL is present, but the configure with CUDA compiles test programs (minutes on two cores)"
+  if [ "$VARIANT" = cpuops ]; then
+    say "  (cpuops needs no NCCL; its configure needs nvcc and a CUDA torch)"
+  else
+    [ -n "$NCCL_INC" ] || say "  here the Python has no nvidia.nccl, so the configure would fail on NCCL, not on the kit"
+    [ -n "$NCCL_INC" ] && say "  here NCCL is present, but the configure with CUDA compiles test programs (minutes on two cores)"
+  fi
   local w
   for w in "$KIT"/wheels/*/horovod-*.whl; do
     [ -f "$w" ] || continue
@@ -360,7 +398,7 @@ build() {
   py=$(pick_python)
   [ -n "$py" ] || die "no Python found (set PY)"
   key=$(py_key "$py") || die "$py cannot import torch"
-  say "python $py, wheel key $key"
+  say "python $py, wheel key $key (variant $VARIANT)"
   check_sums
   links="$KIT/links"
   find_nvidia "$py"; find_cuda "$py"; find_nccl "$py"; find_libcuda
@@ -374,7 +412,10 @@ build() {
     "$py" -m pip install -q --no-index --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl
   else
     [ -n "$NVCC" ] || die "nvcc not found (PATH, the Python's nvidia packages, /usr/local/cuda)"
-    [ -n "$NCCL_INC" ] && [ -n "$NCCL_SO" ] || die "NCCL not found: $py has no python package nvidia.nccl with include/nccl.h and lib/libnccl.so.2"
+    if [ "$VARIANT" = nccl ]; then
+      [ -n "$NCCL_INC" ] && [ -n "$NCCL_SO" ] \
+        || die "NCCL not found: $py has no python package nvidia.nccl with include/nccl.h and lib/libnccl.so.2"
+    fi
     "$py" -c "import setuptools" 2>/dev/null \
       || die "$py has no setuptools: pip wheel --no-build-isolation needs it (nothing can be fetched here)"
     build_env "$links"
@@ -423,12 +464,22 @@ build() {
     say "wheel written to \$OUT/gpu_kit/wheels/$key/ ($(du -sh "$out_dir" | cut -f1))"
   fi
   say "ok in $((SECONDS - t0))s; before running Horovod: source ${links#"$ROOT"/}/env.sh"
+  if [ "$VARIANT" = cpuops ]; then
+    say "CUDA tensors go through the CPU operations: several ranks share the GPU with horovodrun --gloo"
+  fi
 }
 
 case "${1:-}" in
   prepare) prepare ;;
-  dry) dry ;;
+  dry)
+    case "${2:-}" in
+      "") ;;
+      cpuops) VARIANT=cpuops ;;
+      *) die "unknown variant '$2' of dry: none (the NCCL build) or cpuops" ;;
+    esac
+    dry ;;
   build) build ;;
+  cpuops) VARIANT=cpuops; build ;;
   -h|--help|help) usage ;;
-  *) usage >&2; echo >&2; die "unknown mode '${1:-}': use prepare, dry or build" ;;
+  *) usage >&2; echo >&2; die "unknown mode '${1:-}': use prepare, dry, build or cpuops" ;;
 esac

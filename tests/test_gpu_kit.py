@@ -53,12 +53,12 @@ def make_sdist(path: Path, files: dict) -> Path:
     return path
 
 
-def kit(mode: str, kit_dir: Path, sdist: Path | None = None, timeout: float = 60):
+def kit(mode: str, kit_dir: Path, sdist: Path | None = None, timeout: float = 60, variant: str | None = None):
     env = dict(os.environ, HOROVOD_GPU_KIT_DIR=str(kit_dir), PY=sys.executable)
     env.pop("HOROVOD_GPU_KIT_SDIST", None)
     if sdist is not None:
         env["HOROVOD_GPU_KIT_SDIST"] = str(sdist)
-    proc = subprocess.run(["bash", str(SCRIPT), mode], env=env, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run(["bash", str(SCRIPT), mode, *([variant] if variant else [])], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=str(REPO))
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -71,13 +71,22 @@ def real_sdist() -> Path | None:
     return None
 
 
-def check_dry_output(out: str) -> None:
+def check_dry_output(out: str, variant: str = "nccl") -> None:
     assert "sums ok" in out and "patch applies cleanly" in out and "a second run of the patch changes nothing" in out
-    for line in ("export HOROVOD_GPU_OPERATIONS=NCCL", "export HOROVOD_BUILD_CUDA_CC_LIST=90",
-                 "export HOROVOD_WITH_PYTORCH=1", "export HOROVOD_WITH_GLOO=1", "export HOROVOD_WITHOUT_TENSORFLOW=1",
-                 "export HOROVOD_WITHOUT_MXNET=1", "export HOROVOD_NCCL_LINK=SHARED",
-                 "export CMAKE_POLICY_VERSION_MINIMUM=3.5", f"export MAKEFLAGS=-j{os.cpu_count()}"):
+    common = ("export HOROVOD_BUILD_CUDA_CC_LIST=90", "export HOROVOD_WITH_PYTORCH=1", "export HOROVOD_WITH_GLOO=1",
+              "export HOROVOD_WITHOUT_TENSORFLOW=1", "export HOROVOD_WITHOUT_MXNET=1",
+              "export CMAKE_POLICY_VERSION_MINIMUM=3.5", f"export MAKEFLAGS=-j{os.cpu_count()}")
+    nccl = ("export HOROVOD_GPU_OPERATIONS=NCCL", "export HOROVOD_NCCL_LINK=SHARED")
+    for line in common:
         assert line in out, line
+    for line in nccl:  # cpuops: no GPU operation and no NCCL variable may reach Horovod's CMake
+        assert (line in out) == (variant == "nccl"), (variant, line)
+    if variant == "cpuops":
+        assert "export HOROVOD_GPU=CUDA" in out
+        assert "export HOROVOD_NCCL" not in out and "export HOROVOD_GPU_OPERATIONS" not in out
+        assert "variant cpuops: no GPU operations, no NCCL" in out
+    else:
+        assert "export HOROVOD_GPU=" not in out
     mpi = "export HOROVOD_WITH_MPI=1" if shutil.which("mpicxx") else "export HOROVOD_WITHOUT_MPI=1"
     assert mpi in out
     assert "nvcc: " in out and "NCCL (python package nvidia.nccl" in out and "driver libcuda.so.1: " in out
@@ -91,6 +100,10 @@ def test_modes_and_usage(tmp_path):
     assert rc != 0 and "unknown mode 'compile'" in out, out
     rc, out = kit("dry", tmp_path / "absent")
     assert rc != 0 and "SHA256SUMS missing" in out, out
+    rc, out = kit("dry", tmp_path / "absent", variant="mpi")
+    assert rc != 0 and "unknown variant 'mpi'" in out, out
+    rc, out = kit("--help", tmp_path / "kit")
+    assert "cpuops" in out and "horovodrun -np 2 --gloo" in out, out
 
 
 def test_dry_on_a_tiny_kit(tmp_path):
@@ -104,6 +117,9 @@ def test_dry_on_a_tiny_kit(tmp_path):
     rc, out = kit("dry", kit_dir)
     assert rc == 0, out
     check_dry_output(out)
+    rc, out = kit("dry", kit_dir, variant="cpuops")
+    assert rc == 0, out
+    check_dry_output(out, "cpuops")
     # a changed file is caught by the sums
     make_sdist(kit_dir / SDIST, {**TINY_FILES, "setup.py": "# changed\n"})
     rc, out = kit("dry", kit_dir)
@@ -129,3 +145,6 @@ def test_dry_on_the_real_sdist(tmp_path):
     rc, out = kit("dry", kit_dir)
     assert rc == 0, out
     check_dry_output(out)
+    rc, out = kit("dry", kit_dir, variant="cpuops")
+    assert rc == 0, out
+    check_dry_output(out, "cpuops")

@@ -428,6 +428,32 @@ def test_bad_arguments_are_rejected():
     assert rc == 2 and "sparse compressors" in out
 
 
+def test_exchange_when_alone_at_one_rank(tmp_path):
+    """--exchange-when-alone: one process runs the whole exchange (hat.DistributedOptimizer
+    exchange_when_alone=True), so it counts ADTopk's fixed-size payload, per rank the same bytes as each of
+    two ranks sends for the same steps; without the flag one process sends nothing."""
+    common = [*QUICK, "--dataset", "fashion-mnist", "--compressor", "adtopk", "--ratio", "0.01", "--no-warmup",
+              "--max-steps", "3", "--test-batches", "1", "--print-final-json"]
+    alone = {}
+    for flag in (True, False):
+        rc, out, _ = run_command([sys.executable, TRAIN, *common, *(["--exchange-when-alone"] if flag else [])],
+                                 timeout=TIMEOUT, env=ENV)
+        check_ok(rc, out, f"one process, exchange_when_alone={flag}")
+        alone[flag] = final_of(out)
+    rc, out, _ = horovodrun(common[len(QUICK):])
+    check_ok(rc, out, "two ranks")
+    two = final_of(out)
+    assert alone[False]["bytes_sent"] == alone[False]["elements_sent"] == 0
+    assert alone[True]["world_size"] == 1 and two["world_size"] == 2
+    assert 0 < alone[True]["density"] < 0.02
+    # the summary sums the ranks' counters: each of the two ranks sent what the one process sent
+    assert alone[True]["bytes_sent"] == two["bytes_sent"] / 2 > 0
+    assert alone[True]["density"] == two["density"]
+    assert alone[True]["wire_bytes_sent"] == 0  # an allgather over a world of one delivers no other payload
+    rc, out, _ = run_command([sys.executable, TRAIN, "--engine", "ddp", "--exchange-when-alone"], timeout=TIMEOUT)
+    assert rc == 2 and "--exchange-when-alone applies to --engine horovod" in out
+
+
 # --------------------------------------------------------------------------------------------------------
 # Log lines, summary outputs, TensorBoard
 # --------------------------------------------------------------------------------------------------------

@@ -62,14 +62,16 @@ class HorovodEngine:
         """SGD or AdamW wrapped in hat.DistributedOptimizer. With momentum correction (SGD only) the sparse-path
         parameters get SGD without momentum and the dense-path ones (biases, small layers) keep SGD momentum."""
         world, compression = self.size, make_compression(args)
-        # One process: nothing is communicated, so nothing is compressed; plain SGD momentum everywhere.
-        correct = args.momentum_correction and world > 1
+        # One process: nothing is communicated, so nothing is compressed; plain SGD momentum everywhere (unless
+        # --exchange-when-alone runs the exchange over a world of one).
+        alone = getattr(args, "exchange_when_alone", False)
+        correct = args.momentum_correction and (world > 1 or alone)
         sparse = sparse_parameter_names(model, compression, world) if correct else set()
         base = base_optimizer(model, args, lr, sparse)
         opt = hat.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression,
                                        backward_passes_per_step=1, op=hvd.Average, warmup_steps=args.dense_rounds,
                                        overlap={"off": False, "on": True}.get(args.overlap, args.overlap),
-                                       **make_local_steps(args),
+                                       exchange_when_alone=alone, **make_local_steps(args),
                                        **({} if getattr(args, "sync_every", 0) else
                                           {"exchange": getattr(args, "exchange", "allgather")}))
         if correct:

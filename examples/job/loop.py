@@ -206,7 +206,7 @@ def report(job: Job, progress: Progress) -> dict:
         path.write_text(text + "\n")
     if res["wire_bytes_dense"]:
         traffic = wire_summary(res, job.world)
-    elif res["bytes_dense"] and job.world > 1:
+    elif res["bytes_dense"] and (job.world > 1 or getattr(job.args, "exchange_when_alone", False)):
         traffic = (f"payload bytes sent {mb(res['bytes_sent'])} vs dense {mb(res['bytes_dense'])}, "
                    f"density {res['density']:.4f}")
     else:

@@ -43,6 +43,11 @@ def _add_compression_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", choices=("off", "on", "auto"), default="off",
                    help="--engine horovod: run selection on a worker thread while the backward pass goes on "
                         "(hat.DistributedOptimizer overlap=; auto: where the rank has a spare core)")
+    p.add_argument("--exchange-when-alone", action="store_true",
+                   help="--engine horovod with one process: run the whole exchange anyway (selection, error feedback, "
+                        "the collectives over a world of one; hat.DistributedOptimizer exchange_when_alone=True), "
+                        "instead of passing the gradients through untouched (to check the path on one GPU, where "
+                        "NCCL takes one rank only)")
     p.add_argument("--exchange", choices=("allgather", "sharded", "auto"), default="allgather",
                    help="per-step sparse payloads (ADTopk rules): allgather them (W-1 payloads per rank), shard "
                         "them among owner ranks (all-to-all, the owner re-selects, allgather: about 2 payloads per "
@@ -326,6 +331,8 @@ def _check_ranges(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--dense-rounds and --density-warmup must be >= 0")
     if args.overlap != "off" and args.engine != "horovod":
         p.error("--overlap applies to --engine horovod (DDP runs its hook on its own schedule)")
+    if args.exchange_when_alone and args.engine != "horovod":
+        p.error("--exchange-when-alone applies to --engine horovod")
 
 
 # Compressors whose fixed-size payloads can carry an update through the outer exchange (horovod_adtopk.local_steps)
