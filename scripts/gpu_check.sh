@@ -68,7 +68,7 @@
 # the ddp stage on CPU tensors over Gloo with a small MLP, the horovod stage with --dry (CPU tensors, Gloo) and
 # the hvd_jobs stage's three jobs on CPU tensors under horovodrun -np 2 --gloo (a few steps, two-layer GPTs),
 # where replicas_identical must be true (GPU_CHECK_HVD_JOBS_NP=1: one rank with --exchange-when-alone, as on the
-# GPU) (to check the script where there is no GPU).
+# GPU; GPU_CHECK_HVD_JOBS="recipe" runs only the jobs named) (to check the script where there is no GPU).
 set -u
 # Nothing is installed on the GPU machine: the package, the job and the benchmarks run from this checkout.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -439,18 +439,22 @@ print('nocuda' if not torch.cuda.is_available() else 'nccl' if h.nccl_built() el
         return "${PIPESTATUS[0]}"
     }
     rm -f "$OUT_DIR"/hvd_jobs_*.json
-    run_hvd_job cnn "$cnn_steps" --data-dir "$fm" --epochs 5 --compressor adtopk --ratio 0.01 --no-warmup || failed=1
-    run_hvd_job gpt "$gpt_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" "${bf16[@]}" \
+    # GPU_CHECK_HVD_JOBS="recipe": only the jobs named (default: all three)
+    local wanted=" ${GPU_CHECK_HVD_JOBS:-cnn gpt recipe} "
+    wants() { [[ "$wanted" == *" $1 "* ]]; }
+    ! wants cnn || run_hvd_job cnn "$cnn_steps" --data-dir "$fm" --epochs 5 --compressor adtopk --ratio 0.01 \
+        --no-warmup || failed=1
+    ! wants gpt || run_hvd_job gpt "$gpt_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" "${bf16[@]}" \
         --epochs 20 --compressor adtopk --ratio 0.01 --no-warmup --error-feedback-on gradient || failed=1
     # README's local-steps recipe for AdamW: ADTopk 0.25, H = 4, outer SGD lr 1, feedback decay 0.95, 2-bit values
-    run_hvd_job recipe "$recipe_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" \
+    ! wants recipe || run_hvd_job recipe "$recipe_steps" --dataset shakespeare --data-dir "$text" --model gpt "${gpt_small[@]}" \
         --epochs 20 --compressor adtopk --ratio 0.25 --sync-every 4 --outer-lr 1 --outer-momentum 0 \
         --outer-feedback-decay 0.95 --outer-value-bits 2 --outer-value-group 64 || failed=1
     [ "$failed" = 0 ] || echo "hvd_jobs stage: a job exited non-zero (logs: $OUT_DIR/hvd_jobs_*.log)"
     # Each job's checks from its summary and log: device, ranks, steps, compressed, finite loss, equal replicas
-    "$PY" - "$OUT_DIR" "$DRY" "$np" "$cnn_steps" "$gpt_steps" "$recipe_steps" <<'PYEOF' || failed=1
+    "$PY" - "$OUT_DIR" "$DRY" "$np" "$wanted" "$cnn_steps" "$gpt_steps" "$recipe_steps" <<'PYEOF' || failed=1
 import json, math, os, sys
-out, dry, np_, *steps = sys.argv[1:]
+out, dry, np_, wanted, *steps = sys.argv[1:]
 np_ = int(np_)
 want = "cpu" if dry == "1" else "cuda"
 # name: (steps, the most density (elements sent / elements; 0 means nothing went through the exchange), the
@@ -458,6 +462,7 @@ want = "cpu" if dry == "1" else "cuda"
 jobs = {"cnn": (int(steps[0]), 0.02, 0.03, "compressor adtopk: ratio 0.01"),
         "gpt": (int(steps[1]), 0.1, 0.1, "short columns joined"),
         "recipe": (int(steps[2]), 0.08, 0.04, "2-bit values")}
+jobs = {name: spec for name, spec in jobs.items() if name in wanted.split()}
 record = {"device": want, "ranks": np_, "exchange_when_alone": np_ == 1, "jobs": {}}
 ok_all = True
 for name, (n_steps, max_density, max_bytes, mark) in jobs.items():

@@ -5,8 +5,7 @@ local-steps recipe) through ``examples/train.py`` under a real ``horovodrun -np 
 checks each summary, ``replicas_identical`` among them. Without it, on a machine whose Horovod has no NCCL
 operations, the stage must refuse at once with the reason. Each launch runs in its own session under a timeout
 that kills the whole process group (tests.harness.run_command). The two-rank dry run takes about 70 s on 2 CPU
-cores, the one-rank one (the GPU run's shape, ``GPU_CHECK_HVD_JOBS_NP=1``) about 35 s of CPU time (90 s wall
-on a busy machine).
+cores, the one-rank one (the GPU run's shape, ``GPU_CHECK_HVD_JOBS_NP=1``, the recipe job only) about a third of that.
 """
 from __future__ import annotations
 
@@ -64,12 +63,15 @@ def test_hvd_jobs_dry_two_ranks_identical(tmp_path):
 
 
 def test_hvd_jobs_dry_one_rank_exchanges_alone(tmp_path):
-    """The GPU run's shape on the CPU: one rank, --exchange-when-alone; the replicas' check does not apply."""
-    rc, out, _ = _gpu_check(tmp_path, dry=True, timeout=240, GPU_CHECK_HVD_JOBS_NP="1")
+    """The GPU run's shape on the CPU: one rank, --exchange-when-alone; the replicas' check does not apply. The
+    recipe job only (GPU_CHECK_HVD_JOBS), local steps with 2-bit values: the per-step exchange at one rank is
+    tests/test_train.py::test_exchange_when_alone_at_one_rank's, and the three jobs on two ranks are above."""
+    rc, out, _ = _gpu_check(tmp_path, dry=True, timeout=240, GPU_CHECK_HVD_JOBS_NP="1", GPU_CHECK_HVD_JOBS="recipe")
     assert rc is not None, f"gpu_check.sh timed out and was killed\n{out[-6000:]}"
     assert rc == 0, f"gpu_check.sh exited {rc}\n{out[-8000:]}"
     record = json.loads((tmp_path / "hvd_jobs.json").read_text())
     assert record["ok"] is True and record["ranks"] == 1 and record["exchange_when_alone"] is True
+    assert set(record["jobs"]) == {"recipe"} and not (tmp_path / "hvd_jobs_cnn.json").exists()
     for name, job in record["jobs"].items():
         assert job["ok"] is True and job["replicas_identical"] == "not applicable at 1 rank", (name, job)
         summary = json.loads((tmp_path / f"hvd_jobs_{name}.json").read_text())

@@ -61,9 +61,18 @@ def run_job(worker, np_, hosts, args, env=None, timeout=300):
     return [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(np_)], outdir
 
 
+def cases_4():
+    """The cases the 8-rank run (cases_8) does not cover, and the float32 axis-0 one that
+    test_inter_host_payload_is_one_block counts with the axis-1 one (cases 0 and 1 here, as in make_cases)."""
+    eight = cases_8()
+    return [c for c in make_cases()
+            if c not in eight or (c["dtype"] == "float32" and c["kwargs"].get("axis") == 0 and c.get("op") != "sum")]
+
+
 @pytest.fixture(scope="module")
 def cases_run():
-    cases = make_cases()
+    # 6 of make_cases()'s 12 on 2 x 2: the other 6 run on 2 x 4 (cases_run_8), the same paths on a larger layout
+    cases = cases_4()
     results, outdir = run_job("hier_workers:hier_cases", 4, TWO_BY_TWO, {"cases": cases}, DYNAMIC)
     return cases, results, outdir
 
@@ -220,7 +229,7 @@ def check_model(cases, outdir, layout):
 
 def test_matches_numpy_model_and_ranks_agree(cases_run):
     cases, _, outdir = cases_run
-    assert check_model(cases, outdir, (HOSTS, LOCAL)) >= 45
+    assert check_model(cases, outdir, (HOSTS, LOCAL)) >= 24
 
 
 def test_flat_and_dense_tensors_beside_hierarchical_ones(cases_run):
@@ -273,7 +282,7 @@ def check_error_feedback(cases, outdir, layout):
 
 def test_error_feedback_invariant_per_block(cases_run):
     cases, _, outdir = cases_run
-    assert check_error_feedback(cases, outdir, (HOSTS, LOCAL)) >= 30
+    assert check_error_feedback(cases, outdir, (HOSTS, LOCAL)) >= 12
 
 
 def pad8(nbytes):
