@@ -1,0 +1,181 @@
+"""Whole-bucket ADTopk selection (horovod_adtopk.bucket_select) against the numpy reference and, bit for bit,
+against the per-tensor path (triton_kernels.adtopk_select and kernels.adtopk_select).
+
+As in tests/test_triton_kernels.py: on a CUDA machine the fused launches run compiled on CUDA tensors;
+elsewhere on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set before Triton is imported),
+with small shapes, and the streamed (multi-pass) fibers reached by lowering ``ONE_PASS_MAX``.
+"""
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+from horovod_adtopk import bucket_select as bs  # noqa: E402
+from horovod_adtopk import kernels  # noqa: E402
+
+from .reference import adtopk_mask  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DEVICE = "cuda" if CUDA else "cpu"
+_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+        torch.float64: torch.int64}
+
+# A mixed bucket: row and column fibers, k = 1, k = fiber length, a single fiber, lengths not a power of two.
+MIXED = [bs.FiberSpec(8, 20, 1, 3), bs.FiberSpec(12, 6, 0, 2), bs.FiberSpec(4, 33, 1, 33), bs.FiberSpec(5, 7, 0, 1),
+         bs.FiberSpec(1, 40, 1, 1), bs.FiberSpec(9, 3, 0, 9)]
+
+
+def _tk():
+    tk = pytest.importorskip("horovod_adtopk.triton_kernels")
+    if not tk.available():
+        pytest.skip("Triton is not installed")
+    if not CUDA and not tk.interpreted():
+        tk = importlib.reload(tk)  # imported earlier in this process without the interpreter
+    return tk
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().cpu().contiguous().view(_INT.get(x.dtype, x.dtype))
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal values, any NaN equal to any NaN (torch's own addition may give another NaN payload)."""
+    xs, ys = _np(x), _np(y)
+    return bool(np.all((xs == ys) | (np.isnan(xs) & np.isnan(ys))))
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def _offsets(specs, gap=0):
+    offs, o = [], gap
+    for s in specs:
+        offs.append(o)
+        o += s.numel + gap
+    return offs, o
+
+
+def _data(n, dtype, seed, ties=False, nonfinite=False):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct magnitudes: many ties at every fiber's k-th key
+        x = (torch.randint(-3, 4, (n,), generator=g).to(torch.float32) * 0.5)
+    else:
+        x = torch.randn(n, generator=g)
+    x = x.to(dtype)
+    if nonfinite:
+        pos = torch.randperm(n, generator=g)[:max(3, n // 25)]
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        x[pos] = specials[torch.arange(pos.numel()) % 3]
+    return x
+
+
+def _check(specs, dtype, seed, impl="triton", ties=False, nonfinite=False, grad=True, zero=True, gap=0):
+    a_off, n_a = _offsets(specs)
+    g_off, n_g = _offsets(specs, gap)
+    a = _data(n_a, dtype, seed, ties, nonfinite).to(DEVICE)
+    g = _data(n_g, dtype, seed + 1, ties, False).to(DEVICE) if grad else None
+    before = a.clone()
+    p = bs.plan(specs, a_off, g_off, dtype=dtype, device=DEVICE, impl=impl)
+    values, local = bs.select(a, p, g, zero_sent=zero)
+    assert values.shape == (p.total,) and local.dtype == torch.int64
+    per_tensor = before.clone()  # the per-tensor path through kernels.adtopk_select (native / torch / Triton)
+    ref_a = before.clone()
+    triton_a = before.clone() if impl == "triton" else None
+    for i, (s, (v, l)) in enumerate(zip(specs, bs.split(p, values, local))):
+        sa = slice(a_off[i], a_off[i] + s.numel)
+        gi = None if g is None else g[g_off[i]:g_off[i] + s.numel]
+        v2, l2 = kernels.adtopk_select(per_tensor[sa], s.rows, s.cols, s.axis, s.k, gi, zero)
+        assert torch.equal(_bits(v), _bits(v2)) and torch.equal(l.cpu(), l2.cpu()), f"tensor {i}: not the per-tensor path"
+        if triton_a is not None:
+            v3, l3 = _tk().adtopk_select(triton_a[sa], s.rows, s.cols, s.axis, s.k, grad=gi, zero_sent=zero)
+            assert torch.equal(_bits(v), _bits(v3)) and torch.equal(l.cpu(), l3.cpu()), f"tensor {i}: not Triton's"
+        # numpy reference on a + g (added in the tensor's dtype, as the kernels do)
+        full = ref_a[sa] if gi is None else (ref_a[sa] + gi)
+        m = _np(full).reshape(s.rows, s.cols)
+        mask = np.zeros((s.num_fibers, s.fiber_len), dtype=bool)
+        np.put_along_axis(mask, l.cpu().numpy(), True, axis=1)
+        ref = adtopk_mask(m, (s.k + 0.5) / s.fiber_len, s.axis)
+        assert np.array_equal(mask if s.axis == 1 else mask.T, ref), f"tensor {i}: not the reference's set"
+        if s.k > 1:
+            assert bool((l[:, 1:] > l[:, :-1]).all())
+        fibers = full.view(s.rows, s.cols) if s.axis == 1 else full.view(s.rows, s.cols).t()
+        assert _same(v, torch.gather(fibers.cpu(), 1, l.cpu()))
+        # the residual: a + g with the sent entries zeroed
+        want = full.clone().view(s.rows, s.cols)
+        if zero:
+            if s.axis == 1:
+                want.scatter_(1, l, 0)
+            else:
+                want.scatter_(0, l.t(), 0)
+        assert _same(a[sa], want.view(-1))
+    assert torch.equal(_bits(a), _bits(per_tensor))
+    if triton_a is not None:
+        assert torch.equal(_bits(a), _bits(triton_a))
+    return p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bucket_fused_matches_per_tensor_and_reference(dtype):
+    _tk()
+    p = _check(MIXED, dtype, seed=1, nonfinite=True)
+    assert p.fused == list(range(len(MIXED))) and p.single == []
+    assert 1 <= p.launches < len(MIXED)  # fewer launches than tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bucket_fused_ties_no_grad_no_zero(dtype):
+    _tk()
+    _check(MIXED, dtype, seed=3, ties=True, grad=False, zero=False)
+
+
+def test_bucket_fused_separate_grad_offsets():
+    """Gradients at other offsets than the residuals (e.g. a DDP bucket buffer with dense tensors between)."""
+    _tk()
+    _check(MIXED, torch.float32, seed=5, ties=True, nonfinite=True, gap=7)
+
+
+@pytest.mark.parametrize("route", ["streamed", "transposed"])
+def test_bucket_streamed_and_transposed_fibers(monkeypatch, route):
+    """Fibers longer than ONE_PASS_MAX (streamed in several passes); few long columns take the per-tensor
+    transposed route inside the same call."""
+    tk = _tk()
+    monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+    monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0 if route == "streamed" else 1000)
+    monkeypatch.setattr(bs, "_PLANS", {})  # plans depend on the knobs
+    specs = [bs.FiberSpec(3, 37, 1, 5), bs.FiberSpec(21, 4, 0, 6), bs.FiberSpec(2, 5, 1, 2), bs.FiberSpec(19, 2, 0, 19)]
+    p = _check(specs, torch.float16, seed=7, ties=True, nonfinite=True)
+    if route == "transposed":
+        assert 1 in p.single and 3 in p.single and 0 in p.fused
+    else:
+        assert p.single == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bucket_loop_fallback_is_the_per_tensor_path(dtype):
+    """Without fused launches (CPU tensors, impl "auto" or "loop"): a loop over kernels.adtopk_select."""
+    for impl in ("auto", "loop"):
+        if CUDA and impl == "auto":
+            continue
+        p = _check(MIXED, dtype, seed=11, impl=impl, ties=dtype == torch.float16, nonfinite=True)
+        assert p.fused == [] and p.launches == 0 and p.table is None
+
+
+def test_plan_cached_and_checked():
+    offs, n = _offsets(MIXED)
+    p = bs.plan(MIXED, offs, dtype=torch.float32, impl="loop")
+    assert bs.plan(list(MIXED), list(offs), dtype=torch.float32, impl="loop") is p
+    assert p.total == sum(s.count for s in MIXED)
+    with pytest.raises(ValueError):
+        bs.plan([bs.FiberSpec(2, 3, 1, 4)], [0], dtype=torch.float32)
+    with pytest.raises(ValueError):
+        bs.plan(MIXED, offs, dtype=torch.float32, impl="fast")
+    with pytest.raises(ValueError):
+        bs.select(torch.zeros(n - 1, device=DEVICE), bs.plan(MIXED, offs, dtype=torch.float32, device=DEVICE))
+
