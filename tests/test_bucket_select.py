@@ -179,3 +179,112 @@ def test_plan_cached_and_checked():
     with pytest.raises(ValueError):
         bs.select(torch.zeros(n - 1, device=DEVICE), bs.plan(MIXED, offs, dtype=torch.float32, device=DEVICE))
 
+
+# --- the engines' entry: Sparsifier.select_bucket against Sparsifier.select, tensor by tensor ----------------
+
+SHAPES = [(16, 12), (24, 5, 2), (7, 40), (4, 16), (3, 3, 4, 4)]
+
+
+def _sparsifier(value_dtype, prescale=1.0):
+    from horovod_adtopk.compressors import ADTopkCompressor
+    from horovod_adtopk.memory import ErrorFeedback
+    from horovod_adtopk.sparsify import Sparsifier
+
+    c = ADTopkCompressor(ratio=0.2, value_dtype=value_dtype)
+    return Sparsifier(c, ErrorFeedback(None), prescale=prescale)
+
+
+def _bucket(dtype, seed):
+    from horovod_adtopk.compressors import TensorInfo
+
+    n = sum(int(np.prod(s)) for s in SHAPES) + 5 * len(SHAPES)
+    buf = _data(n, dtype, seed, ties=seed % 2 == 0, nonfinite=seed % 3 == 0).to(DEVICE)
+    items, o = [], 3
+    for i, shape in enumerate(SHAPES):
+        m = int(np.prod(shape))
+        items.append((buf[o:o + m].view(shape), TensorInfo(f"t{i}", shape, m, dtype)))
+        o += m + 5  # gaps: dense tensors of the bucket between the sparse ones
+    return buf, items
+
+
+@pytest.mark.parametrize("impl", ["loop", "triton"])
+@pytest.mark.parametrize("dtype,value_dtype,prescale", [(torch.float32, None, 1.0), (torch.bfloat16, None, 1.0),
+                                                        (torch.float32, torch.float16, 0.5)])
+def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
+    """Three steps: every selection (values, positions, wire values, finiteness) and every residual bit for bit
+    as Sparsifier.select gives them one tensor at a time; exact wires zero what they send in the kernel,
+    others keep the wire's rounding error in the memory."""
+    if impl == "triton":
+        _tk()
+    per, bucket = _sparsifier(value_dtype, prescale), _sparsifier(value_dtype, prescale)
+    assert bucket.batches(None)
+    for step in range(3):
+        buf, items = _bucket(dtype, seed=20 + step)
+        want = [per.select(g, info, step) for g, info in items]
+        got = bucket.select_bucket(buf, items, step, impl=impl)
+        for (g, info), s1, s2 in zip(items, want, got):
+            assert torch.equal(_bits(s1.values), _bits(s2.values))
+            assert torch.equal(s1.flat.cpu(), s2.flat.cpu()) and torch.equal(s1.wire_index.cpu(), s2.wire_index.cpu())
+            assert torch.equal(_bits(s1.wire_values), _bits(s2.wire_values))
+            assert bool(s1.finite) == bool(s2.finite)
+            assert s1.codec.layout == s2.codec.layout
+            assert torch.equal(_bits(per.memory.residuals[info.name]), _bits(bucket.memory.residuals[info.name]))
+    assert [n for n, _ in per.nonfinite] == [n for n, _ in bucket.nonfinite]
+    # the residuals live in one buffer; one replaced elsewhere (a checkpoint) is copied back in, same result
+    bucket.memory.residuals["t1"] = bucket.memory.residuals["t1"].clone()
+    buf, items = _bucket(dtype, seed=40)
+    want = [per.select(g, info, 3) for g, info in items]
+    got = bucket.select_bucket(buf, items, 3, impl=impl)
+    for s1, s2 in zip(want, got):
+        assert torch.equal(_bits(s1.values), _bits(s2.values)) and torch.equal(s1.flat.cpu(), s2.flat.cpu())
+    for name in per.memory.residuals:
+        assert torch.equal(_bits(per.memory.residuals[name]), _bits(bucket.memory.residuals[name]))
+
+
+def test_batches_only_plain_adtopk_with_plain_error_feedback():
+    from horovod_adtopk.compressors import ADTopkICompressor, TopkCompressor
+    from horovod_adtopk.memory import ErrorFeedback
+    from horovod_adtopk.sparsify import Sparsifier
+
+    assert _sparsifier(None).batches(None)
+    assert not Sparsifier(ADTopkICompressor(ratio=0.1), ErrorFeedback(None)).batches(None)
+    assert not Sparsifier(TopkCompressor(ratio=0.1), ErrorFeedback(None)).batches(None)
+    assert not Sparsifier(_sparsifier(None).compression, ErrorFeedback(0.9)).batches(None)
+    assert not Sparsifier(_sparsifier(None).compression, None).batches(None)
+
+
+def test_ddp_engine_bucket_path_is_bitwise_the_per_tensor_path(tmp_path):
+    """The DDP engine at 2 Gloo ranks with every bucket's ADTopk tensors selected together
+    (HOROVOD_ADTOPK_BUCKET_SELECT=loop: the bucket path on CPU tensors) against the per-tensor path (off):
+    every step's averaged gradients bit for bit, on adtopk cases (both axes, joined fibers, a float16 wire)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.harness import run_command
+    from tests.test_ddp import SPARSE_KW, compare_cases
+    from tests.test_optimizer_reference import load_case
+
+    cases = [c for c in compare_cases() if c.get("compressor", "adtopk") == "adtopk" and "momentum" not in c["kwargs"]
+             and c["kwargs"].get("error_feedback", True)][:6]
+    assert len(cases) == 6 and all(c["kwargs"].get("min_numel") == SPARSE_KW["min_numel"] for c in cases[:4])
+    outs = {}
+    for mode in ("off", "loop"):
+        out = tmp_path / mode
+        out.mkdir()
+        (out / "args.json").write_text(json.dumps({"cases": cases}))
+        rc, log, _ = run_command([sys.executable, "-m", "tests._ddp_launch", "2", "reference_cases",
+                                  str(out / "args.json"), str(out)], timeout=240,
+                                 env={"HOROVOD_ADTOPK_BUCKET_SELECT": mode})
+        assert rc == 0, log[-5000:]
+        outs[mode] = [load_case(str(out), ci, 2, case)[1] for ci, case in enumerate(cases)]
+    compared = 0
+    for ci, case in enumerate(cases):
+        for r in range(2):
+            for t in range(case["steps"]):
+                for n in case["shapes"]:
+                    a, b = np.asarray(outs["off"][ci][r][t][n]), np.asarray(outs["loop"][ci][r][t][n])
+                    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"case {ci} rank {r} step {t} {n}"
+                    compared += 1
+    assert compared > 50
+
