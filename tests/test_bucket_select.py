@@ -288,3 +288,38 @@ def test_ddp_engine_bucket_path_is_bitwise_the_per_tensor_path(tmp_path):
                     compared += 1
     assert compared > 50
 
+
+def test_gpu_check_bucket_and_step_stages_dry(tmp_path):
+    """scripts/gpu_check.sh's stages bucket and step in dry mode (CPU tensors, the interpreter, tiny shapes):
+    they run, and their JSON says the checks passed (timings of a dry run mean nothing and are not judged)."""
+    import json
+    import math
+
+    from tests.harness import REPO, run_command
+
+    rc, log, _ = run_command(["bash", "scripts/gpu_check.sh"], timeout=240,
+                             env={"GPU_CHECK_DRY": "1", "GPU_CHECK_STAGES": "bucket step", "OUT": str(tmp_path),
+                                  "PYTHON": sys_executable()}, cwd=str(REPO))
+    assert rc == 0, log[-6000:]
+    assert "stage bucket ok" in log and "stage step ok" in log
+    res = json.loads((tmp_path / "bench_bucket_select.json").read_text())
+    assert res["ok"] is True and res["dry"] is True
+    models = res["bucket"]["models"]
+    assert len(models) == 3
+    for name, m in models.items():
+        assert m["bitwise_equal"] is True, name
+        assert m["tensors"] >= 4 and 1 <= m["fused_launches"] < m["tensors"] + m["buckets"], name
+        assert m["payload_entries"] >= m["tensors"] and m["numel"] > m["payload_entries"], name
+        assert all(m[k] > 0 for k in ("copy_ms", "bucket_ms", "per_layer_ms")), name
+    step = res["step"]
+    assert step["ok"] is True and step["adtopk_bucket_equals_per_tensor"] is True
+    assert set(step["variants"]) == {"dense", "adtopk", "adtopk_per_tensor", "powersgd", "fp16"}
+    for v in step["variants"].values():
+        assert v["finite"] and all(math.isfinite(x) for x in v["losses"]) and v["step_ms"] > 0
+
+
+def sys_executable():
+    import sys
+
+    return sys.executable
+
