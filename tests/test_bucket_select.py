@@ -323,3 +323,15 @@ def sys_executable():
 
     return sys.executable
 
+
+def test_gpu_guide_example():
+    """The code block of docs/guides/gpu.md's "Whole-bucket selection", as written there."""
+    import re
+
+    from tests.harness import REPO
+
+    text = (REPO / "docs" / "guides" / "gpu.md").read_text()
+    section = text[text.index("## Whole-bucket selection"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "bs.select(" in block
+    exec(compile(block, "docs/guides/gpu.md", "exec"), {})
