@@ -62,8 +62,7 @@ from horovod_adtopk.compressors import ADTopkCompressor, TensorInfo  # noqa: E40
 from horovod_adtopk.compressors.base import FiberCodec  # noqa: E402
 from horovod_adtopk.selection import fiber_bases  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (benchmarks/common.py)
+import common  # noqa: E402  (benchmarks/common.py: the script's directory is on the path)
 
 RANKS = 8
 BUCKET_BYTES = 25 * 2 ** 20

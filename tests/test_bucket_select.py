@@ -256,18 +256,19 @@ def test_batches_only_plain_adtopk_with_plain_error_feedback():
 def test_ddp_engine_bucket_path_is_bitwise_the_per_tensor_path(tmp_path):
     """The DDP engine at 2 Gloo ranks with every bucket's ADTopk tensors selected together
     (HOROVOD_ADTOPK_BUCKET_SELECT=loop: the bucket path on CPU tensors) against the per-tensor path (off):
-    every step's averaged gradients bit for bit, on adtopk cases (both axes, joined fibers, a float16 wire)."""
+    every step's averaged gradients bit for bit, on 7 adtopk cases (axes 0, 1, auto, float64, joined rows and
+    columns, a float16 wire)."""
     import json
     import sys
-    from pathlib import Path
 
     from tests.harness import run_command
     from tests.test_ddp import SPARSE_KW, compare_cases
     from tests.test_optimizer_reference import load_case
 
     cases = [c for c in compare_cases() if c.get("compressor", "adtopk") == "adtopk" and "momentum" not in c["kwargs"]
-             and c["kwargs"].get("error_feedback", True)][:6]
-    assert len(cases) == 6 and all(c["kwargs"].get("min_numel") == SPARSE_KW["min_numel"] for c in cases[:4])
+             and c["kwargs"].get("error_feedback", True)][:7]
+    assert len(cases) == 7 and cases[6]["kwargs"].get("value_dtype") == "float16"
+    assert all(c["kwargs"].get("min_numel") == SPARSE_KW["min_numel"] for c in cases)
     outs = {}
     for mode in ("off", "loop"):
         out = tmp_path / mode
