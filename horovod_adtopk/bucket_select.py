@@ -136,6 +136,8 @@ def plan(specs: Sequence[FiberSpec], a_offsets: Sequence[int], g_offsets: Option
         if s.axis not in (0, 1) or s.rows < 0 or s.cols < 0 or not (1 <= s.k <= s.fiber_len or s.k == s.fiber_len == 0):
             raise ValueError(f"invalid fiber spec {s}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors name it
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (specs, tuple(a_offsets), g_offsets, dtype, device, impl)
     p = _PLANS.get(key)
     if p is None:
