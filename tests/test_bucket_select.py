@@ -157,6 +157,7 @@ def test_bucket_streamed_and_transposed_fibers(monkeypatch, route):
         assert p.single == []
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bucket_loop_fallback_is_the_per_tensor_path(dtype):
     """Without fused launches (CPU tensors, impl "auto" or "loop"): a loop over kernels.adtopk_select."""
@@ -167,6 +168,7 @@ def test_bucket_loop_fallback_is_the_per_tensor_path(dtype):
         assert p.fused == [] and p.launches == 0 and p.table is None
 
 
+@pytest.mark.quick
 def test_plan_cached_and_checked():
     offs, n = _offsets(MIXED)
     p = bs.plan(MIXED, offs, dtype=torch.float32, impl="loop")
@@ -241,6 +243,7 @@ def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
         assert torch.equal(_bits(per.memory.residuals[name]), _bits(bucket.memory.residuals[name]))
 
 
+@pytest.mark.quick
 def test_batches_only_plain_adtopk_with_plain_error_feedback():
     from horovod_adtopk.compressors import ADTopkICompressor, TopkCompressor
     from horovod_adtopk.memory import ErrorFeedback
@@ -325,6 +328,7 @@ def sys_executable():
     return sys.executable
 
 
+@pytest.mark.quick
 def test_gpu_guide_example():
     """The code block of docs/guides/gpu.md's "Whole-bucket selection", as written there."""
     import re
