@@ -102,6 +102,8 @@ class BucketPlan:
 
 
 _PLANS: Dict[tuple, BucketPlan] = {}
+#: Plans kept (least recently used dropped first).
+MAX_PLANS = 256
 
 
 def _fused_module(device: torch.device, impl: str, dtype: torch.dtype):
@@ -139,9 +141,12 @@ def plan(specs: Sequence[FiberSpec], a_offsets: Sequence[int], g_offsets: Option
     if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors name it
         device = torch.device("cuda", torch.cuda.current_device())
     key = (specs, tuple(a_offsets), g_offsets, dtype, device, impl)
-    p = _PLANS.get(key)
+    p = _PLANS.pop(key, None)
     if p is None:
-        p = _PLANS[key] = BucketPlan(specs, a_offsets, g_offsets, dtype, device, impl)
+        p = BucketPlan(specs, a_offsets, g_offsets, dtype, device, impl)
+        while len(_PLANS) >= MAX_PLANS:  # a density warm-up changes k every step: keep the recent layouts
+            del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = p  # most recently used last
     return p
 
 

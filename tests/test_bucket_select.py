@@ -173,6 +173,17 @@ def test_plan_cached_and_checked():
     offs, n = _offsets(MIXED)
     p = bs.plan(MIXED, offs, dtype=torch.float32, impl="loop")
     assert bs.plan(list(MIXED), list(offs), dtype=torch.float32, impl="loop") is p
+    old_max = bs.MAX_PLANS
+    try:  # bounded: the least recently used plan goes first
+        bs.MAX_PLANS = 2
+        q = bs.plan(MIXED[:2], offs[:2], dtype=torch.float32, impl="loop")
+        assert bs.plan(MIXED, offs, dtype=torch.float32, impl="loop") is p  # p used again
+        bs.plan(MIXED[:3], offs[:3], dtype=torch.float32, impl="loop")  # drops q
+        assert bs.plan(MIXED, offs, dtype=torch.float32, impl="loop") is p
+        assert bs.plan(MIXED[:2], offs[:2], dtype=torch.float32, impl="loop") is not q
+        assert len(bs._PLANS) <= 2
+    finally:
+        bs.MAX_PLANS = old_max
     assert p.total == sum(s.count for s in MIXED)
     with pytest.raises(ValueError):
         bs.plan([bs.FiberSpec(2, 3, 1, 4)], [0], dtype=torch.float32)
