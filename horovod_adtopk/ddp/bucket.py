@@ -5,7 +5,9 @@ For a bucket with gradients ``g_1 .. g_n`` (views into ``bucket.buffer()``), in 
 1. each gradient takes its path (the compressor's ``choose_path``, as in the Horovod optimizer; dense during
    the first ``warmup_steps`` rounds). A sparse one goes through error feedback and selection
    (:class:`horovod_adtopk.sparsify.Sparsifier`: the same kernels) and is packed into its ``uint8`` block by its
-   wire kind (:class:`horovod_adtopk.payload.SparseGather`, as the Horovod engine and local steps pack theirs);
+   wire kind (:class:`horovod_adtopk.payload.SparseGather`, as the Horovod engine and local steps pack theirs).
+   CUDA gradients of plain ADTopk with plain error feedback are selected together, the whole bucket in a few
+   launches (:meth:`Sparsifier.select_bucket`, ``BUCKET_SELECT``), bit for bit as one by one;
 2. the dense gradients are concatenated (and compressed, for a dense compressor such as fp16) and
    allreduced together: one asynchronous ``all_reduce``; Random-k's values (positions every rank knows)
    are summed by one more;
