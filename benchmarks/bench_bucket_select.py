@@ -5,7 +5,7 @@ step time of a GPT-2-small-sized model on the DDP engine (the stages ``bucket`` 
 
     python benchmarks/bench_bucket_select.py --stage bucket --out gpu_check_out     # CUDA
     python benchmarks/bench_bucket_select.py --stage step --out gpu_check_out       # CUDA, 1 process over NCCL
-    python benchmarks/bench_bucket_select.py --stage all --dry --out /tmp/x         # CPU, interpreter, tiny
+    python benchmarks/bench_bucket_select.py --stage all --dry --out dry_out          # CPU, interpreter, tiny
 
 ``bucket``: for the ADTopk tensors (2 or more dims, at least 1,024 entries) of GPT-2 small, BERT-base and
 ResNet-50 (their parameter shapes written out below: no downloads), float32 gradients in DDP-style buckets of
