@@ -18,11 +18,11 @@ Nothing here imports Horovod or ``torch.distributed``: the engines own their col
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .compressors import SparseCompressor, TensorInfo
+from .compressors import ADTopkCompressor, SparseCompressor, TensorInfo
 from .compressors.base import Selection
 from .memory import ErrorFeedback
 from .wire import FP16_MAX, unpack
@@ -41,6 +41,7 @@ class Sparsifier:
         self.compression, self.memory, self.prescale = compression, memory, prescale
         self.nonfinite: List[tuple] = []  # (name, 0-d bool tensor: every sent value finite)
         self._warned_overflow = False
+        self._flats: Dict[Tuple[str, ...], torch.Tensor] = {}  # select_bucket's residual buffers
 
     def empty(self, info: TensorInfo, step: int, device: torch.device) -> Selection:
         """The selection of a rank without a gradient (nothing, or zeros of the agreed count); memory kept."""
@@ -61,6 +62,81 @@ class Sparsifier:
         else:
             a = memory.compensate(info.name, grad) if memory is not None else grad.detach()
             s = c.select(a, info, step)
+        return self._to_wire(s, a, info, wire_dtype, exact_wire)
+
+    def batches(self, info: TensorInfo) -> bool:
+        """Whether :meth:`select_bucket` selects ``info``'s tensor with others: plain ADTopk (not its -I / -T
+        variants) with plain error feedback."""
+        return (type(self.compression) is ADTopkCompressor
+                and self.memory is not None and self.memory.momentum is None)
+
+    def select_bucket(self, buffer: torch.Tensor, items: Sequence[tuple], step: int,
+                      impl: str = "auto") -> List[Selection]:
+        """:meth:`select` of several gradients at once (each a contiguous view into the 1-D ``buffer``, e.g.
+        DDP's bucket buffer; every ``info`` one that :meth:`batches`), bit for bit the same selections,
+        residuals and wire values: their residuals become views of one buffer per group (kept from step to
+        step; a residual replaced elsewhere is copied back in), then :func:`horovod_adtopk.bucket_select.select`
+        adds, selects and zeroes them all (on CUDA in a few launches; ``impl`` as there)."""
+        from . import bucket_select
+
+        c, memory = self.compression, self.memory
+        out: List[Optional[Selection]] = [None] * len(items)
+        groups: dict = {}
+        for i, (grad, info) in enumerate(items):
+            wire_dtype = c.wire_value_dtype(info.dtype)
+            exact_wire = wire_dtype == info.dtype and self.prescale == 1.0
+            groups.setdefault((grad.dtype, exact_wire), []).append(i)
+        size = buffer.element_size()
+        for (dtype, exact_wire), idx in groups.items():
+            names = tuple(items[i][1].name for i in idx)
+            codecs = [c.codec(items[i][1], step) for i in idx]
+            specs = [bucket_select.FiberSpec(cd.layout.rows, cd.layout.cols, cd.layout.axis, cd.layout.k)
+                     for cd in codecs]
+            g_offsets = [(items[i][0].data_ptr() - buffer.data_ptr()) // size for i in idx]
+            flat, a_offsets = self._flat_residuals(names, [items[i][0] for i in idx])
+            p = bucket_select.plan(specs, a_offsets, g_offsets, dtype=dtype, device=buffer.device, impl=impl)
+            hints = [cd.hint(flat) for cd in codecs] if p.fused == [] else None
+            values, local = bucket_select.select(flat, p, buffer, zero_sent=exact_wire, hints=hints)
+            for j, (i, cd, (v, loc)) in enumerate(zip(idx, codecs, bucket_select.split(p, values, local))):
+                s = Selection(v.reshape(-1), cd.to_flat(loc), loc.reshape(-1), cd)
+                s.finite = torch.isfinite(s.values).all()
+                info = items[i][1]
+                a = memory.residuals[info.name]
+                out[i] = self._to_wire(s, a, info, c.wire_value_dtype(info.dtype), exact_wire)
+        return out
+
+    def _flat_residuals(self, names: Tuple[str, ...], grads: Sequence[torch.Tensor]):
+        """One 1-D residual buffer for ``names`` (their memory's residuals are views of it) and their offsets."""
+        memory = self.memory
+        offsets, n = [], 0
+        for g in grads:
+            offsets.append(n)
+            n += g.numel()
+        flat = self._flats.get(names)
+        ok = flat is not None and flat.dtype == grads[0].dtype and flat.device == grads[0].device
+        if ok:
+            for name, g, o in zip(names, grads, offsets):
+                r = memory.residuals.get(name)
+                if r is None or r.shape != g.shape or r.data_ptr() != flat.data_ptr() + o * flat.element_size():
+                    ok = False
+                    break
+        if not ok:
+            flat = torch.zeros(n, dtype=grads[0].dtype, device=grads[0].device)
+            for name, g, o in zip(names, grads, offsets):
+                r = memory.residuals.get(name)
+                view = flat[o:o + g.numel()].view(g.shape)
+                if r is not None:
+                    view.copy_(r.view(g.shape))
+                memory.residuals[name] = view
+            for other in [o for o in self._flats if set(o) & set(names)]:  # buffers these names have left
+                del self._flats[other]
+            self._flats[names] = flat
+        return flat, offsets
+
+    def _to_wire(self, s: Selection, a: torch.Tensor, info: TensorInfo, wire_dtype: torch.dtype,
+                 exact_wire: bool) -> Selection:
+        """The sent values scaled and cast to the wire; the memory of what the wire did not carry."""
+        memory = self.memory
         values = s.values * self.prescale if self.prescale != 1.0 else s.values
         if wire_dtype == torch.float16 and values.dtype != torch.float16:
             values = self._clamp_fp16(values, info.name)

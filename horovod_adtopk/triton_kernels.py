@@ -36,6 +36,10 @@ Kernels
   selected on a transposed contiguous copy, one program per fiber, for parallelism (the grad add and the
   zeroing then run as torch ops on ``a``). The error-feedback add ``a += grad`` is fused into the first
   read (streamed fibers: a separate first pass that writes ``a`` back).
+- ``_bucket_topk_kernel``: the same body (``_select_fibers``) for the fibers of several tensors in one launch
+  (:func:`bucket_adtopk_select`): each program reads its row of a fiber table (the tensor's offsets in the
+  residual, gradient and output buffers, its first fiber, fiber count, length, ``cols`` and ``k``); one launch
+  per launch configuration (``FB``, ``BLOCK``, one pass or streamed, axis), so a bucket takes a few.
 - Flat (global) selection, all programs together: per round, ``_radix_count_kernel`` counts the
   candidates of every block and adds them to a global histogram with integer atomics (exact and
   order-independent, hence deterministic), then a one-program ``_radix_step_kernel`` folds the histogram
@@ -61,7 +65,7 @@ except Exception as exc:  # pragma: no cover - exercised only where Triton is ab
     tl = None
     _IMPORT_ERROR = exc
 
-__all__ = ["available", "interpreted", "adtopk_select", "topk_select", "threshold_select",
+__all__ = ["available", "interpreted", "adtopk_select", "bucket_adtopk_select", "bucket_table", "fused_config", "topk_select", "threshold_select",
            "fiber_threshold_select", "count_at_least"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -194,7 +198,38 @@ if triton is not None:
                            EARLY: tl.constexpr):
         pid = tl.program_id(0)
         fib = (pid * FB + tl.arange(0, FB)).to(tl.int64)
-        fmask = fib < n_fibers
+        _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, fib, fib < n_fibers, L, cols, k, AXIS, HAS_GRAD, ZERO, FB,
+                       BLOCK, ONE_PASS, RB, KEY_BITS, KW, INF, EARLY)
+
+    @triton.jit
+    def _bucket_topk_kernel(a_ptr, g_ptr, val_ptr, idx_ptr, tab_ptr,
+                            AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
+                            FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                            RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr,
+                            EARLY: tl.constexpr):
+        """Fibers of several tensors in one launch: program ``pid`` reads its row of the fiber table
+        (``TABLE_COLUMNS`` int64: offsets of the tensor in ``a`` / ``grad`` / the outputs, its first fiber,
+        fiber count, fiber length, ``cols`` and ``k``) and selects like ``_fiber_topk_kernel`` on that tensor."""
+        row = tab_ptr + tl.program_id(0).to(tl.int64) * 8
+        a_off = tl.load(row)
+        g_off = tl.load(row + 1)
+        out_off = tl.load(row + 2)
+        first = tl.load(row + 3)
+        n_fibers = tl.load(row + 4)
+        L = tl.load(row + 5).to(tl.int32)
+        cols = tl.load(row + 6).to(tl.int32)
+        k = tl.load(row + 7).to(tl.int32)
+        fib = first + tl.arange(0, FB).to(tl.int64)
+        _select_fibers(a_ptr + a_off, g_ptr + g_off, val_ptr + out_off, idx_ptr + out_off, fib, fib < n_fibers,
+                       L, cols, k, AXIS, HAS_GRAD, ZERO, FB, BLOCK, ONE_PASS, RB, KEY_BITS, KW, INF, EARLY)
+
+    @triton.jit
+    def _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, fib, fmask, L, cols, k,
+                       AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
+                       FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                       RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr,
+                       EARLY: tl.constexpr):
+        """Top-k of the fibers ``fib`` (masked by ``fmask``) of one tensor: the body of both fiber kernels."""
         # done[f]: exactly k keys of fiber f reach its prefix, so "key >= prefix" selects its top k. With
         # EARLY, the rounds stop once every fiber of the program is done (fibers past the end count as done).
         done = tl.where(fmask, 0, 1).to(tl.int32)
@@ -474,6 +509,64 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
                              ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
                              num_warps=warps)
     return values, local
+
+
+#: int64 columns of one row of a bucket's fiber table (one row per program of :func:`bucket_adtopk_select`).
+TABLE_COLUMNS = 8
+
+
+def fused_config(rows: int, cols: int, axis: int):
+    """The launch configuration of one tensor's fibers, or None where :func:`adtopk_select` would take its
+    transposed-copy route (few long columns), which a bucket launch does not fuse."""
+    n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
+    fb, block, one_pass, rb, warps = _fiber_config(L, n_fibers, axis)
+    if axis == 0 and not one_pass and -(-n_fibers // fb) < COLUMN_MIN_PROGRAMS:
+        return None
+    return axis, fb, block, one_pass, rb, warps
+
+
+def bucket_table(entries):
+    """Host-side fiber table of several tensors: ``entries`` are ``(config, a_off, g_off, out_off, rows, cols,
+    axis, k)`` with ``config`` from :func:`fused_config`. Returns ``(rows, groups)``: the table's rows (lists of
+    ``TABLE_COLUMNS`` ints, one per program, grouped by configuration) and ``groups``, ``(config, first_row,
+    n_rows)`` per launch. Shapes only: nothing is read from a device."""
+    by_config = {}
+    for config, a_off, g_off, out_off, rows, cols, axis, k in entries:
+        n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
+        fb = config[1]
+        progs = by_config.setdefault(config, [])
+        for first in range(0, n_fibers, fb):
+            progs.append([a_off, g_off, out_off, first, n_fibers, L, cols, k])
+    table, groups = [], []
+    for config, progs in by_config.items():
+        groups.append((config, len(table), len(progs)))
+        table.extend(progs)
+    return table, groups
+
+
+def bucket_adtopk_select(a: torch.Tensor, grad: Optional[torch.Tensor], values: torch.Tensor, local: torch.Tensor,
+                         table: torch.Tensor, groups, zero_sent: bool = False) -> None:
+    """Per-fiber top-k of several tensors held in the 1-D buffer ``a`` (each at its offset), one launch per
+    configuration group of the fiber table (:func:`bucket_table`, uploaded to ``a``'s device as int64
+    ``[n, TABLE_COLUMNS]``). ``grad`` (1-D, ``a``'s dtype; offsets from the table) is added into ``a`` first;
+    ``zero_sent`` zeroes what was selected. Writes each tensor's ``values`` and fiber-local positions
+    (``local``, int64) at its output offset, ``[num_fibers, k]`` fiber-major: what :func:`adtopk_select` returns
+    for that tensor, bit for bit. No host synchronisation."""
+    _check(a)
+    if grad is not None:
+        _check(grad, "grad")
+        if grad.dtype != a.dtype or grad.device != a.device:
+            raise ValueError("grad must have a's dtype and device")
+    if values.dtype != a.dtype or local.dtype != torch.int64:
+        raise ValueError("values must have a's dtype and local must be int64")
+    for config, first, n in groups:
+        axis, fb, block, one_pass, rb, warps = config
+        kw, key_bits, inf = _key_params(a.dtype, rb)
+        tab = table[first:first + n]
+        _bucket_topk_kernel[(n,)](a, grad if grad is not None else a, values, local, tab,
+                                  AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
+                                  ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
+                                  num_warps=warps)
 
 
 def _flat_select(a: torch.Tensor, mode: int, t: Optional[torch.Tensor], hist: Optional[torch.Tensor], k: int,

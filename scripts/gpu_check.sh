@@ -7,7 +7,7 @@
 #     bash scripts/gpu_check.sh            # logs and JSON in ${OUT:-gpu_check_out}/
 #
 # Stages (each under its own timeout; a failed stage does not stop the next; the exit status is non-zero
-# if any stage failed), sized to about 11 minutes in all (over one 10-minute command: name the stages wanted in
+# if any stage failed), sized to about 14 minutes in all (over one 10-minute command: name the stages wanted in
 # GPU_CHECK_STAGES):
 #   1. versions      nvidia-smi, python, torch, triton, the CUDA device
 #   2. tests         pytest tests/test_triton_kernels.py on CUDA (in parallel where pytest-xdist is installed)
@@ -59,6 +59,10 @@
 #                    CUDA tensors) for 20 steps; checks cuda, density < 0.02 (elements; 0.01 for the sparse
 #                    tensors), a finite loss and equal parameters on both ranks.
 #                    Summary in $OUT/gpt_local.json.
+#   8. bucket        benchmarks/bench_bucket_select.py --stage bucket: whole-bucket selection vs a copy and vs the
+#                    per-layer path (GPT-2 small, BERT-base, ResNet-50), bitwise and host-sync checks.
+#   9. step          benchmarks/bench_bucket_select.py --stage step: GPT-2-small step time on the DDP engine, ADTopk
+#                    vs dense, PowerSGD (rank 4), fp16_compress_hook. Both in $OUT/bench_bucket_select.json.
 #
 # GPU_CHECK_STAGES="versions ddp" runs only the stages named (to repeat one after a fix within the device time);
 # GPU_CHECK_LIMITS="tests=75 bench=40" gives the stages named other timeouts, and GPU_CHECK_BENCH_BUDGET_S
@@ -511,6 +515,22 @@ PYEOF
 export OUT_DIR PY DRY
 export -f versions run_tests bench ddp_check horovod_check hvd_fmnist hvd_jobs gpt_job gpt gpt_local
 
+# Stages bucket and step: benchmarks/bench_bucket_select.py (its docstring says what they measure). bucket: the
+# whole-bucket ADTopk selection on GPT-2 small, BERT-base and ResNet-50 against a minimum-traffic copy and the
+# per-layer path (bitwise equal, no host sync); step: a GPT-2-small step on the DDP engine, ADTopk against dense
+# DDP, PowerSGD (rank 4) and fp16_compress_hook. JSON in $OUT/bench_bucket_select.json.
+bucket_bench() {
+    local dry=()
+    [ "$DRY" = "1" ] && dry=(--dry)
+    "$PY" benchmarks/bench_bucket_select.py --stage bucket "${dry[@]}" --out "$OUT_DIR"
+}
+step_bench() {
+    local dry=()
+    [ "$DRY" = "1" ] && dry=(--dry)
+    "$PY" benchmarks/bench_bucket_select.py --stage step "${dry[@]}" --out "$OUT_DIR"
+}
+export -f bucket_bench step_bench
+
 if [ "$DRY" = "1" ]; then
     echo "GPU_CHECK_DRY=1: benchmark stage (CPU tensors under the Triton interpreter), ddp, horovod and hvd_jobs stages (CPU, Gloo)"
     run_stage bench 300 bench
@@ -519,7 +539,9 @@ if [ "$DRY" = "1" ]; then
     run_stage hvd_jobs 300 hvd_jobs
     run_stage gpt 180 gpt
     run_stage gpt_local 180 gpt_local
-else  # stage limits add up to 11 minutes; the checks of results first, the timings last
+    run_stage bucket 120 bucket_bench
+    run_stage step 120 step_bench
+else  # stage limits add up to about 14 minutes (over one 10-minute command: name the stages wanted)
     run_stage versions 30 versions
     run_stage tests 120 run_tests
     run_stage ddp 100 ddp_check
@@ -527,6 +549,8 @@ else  # stage limits add up to 11 minutes; the checks of results first, the timi
     run_stage hvd_jobs 90 hvd_jobs  # three horovodrun launches of about 20 s each (the gpt stage took 25 s)
     run_stage gpt 70 gpt
     run_stage gpt_local 50 gpt_local
+    run_stage bucket 90 bucket_bench
+    run_stage step 90 step_bench
     run_stage bench 140 bench
 fi
 

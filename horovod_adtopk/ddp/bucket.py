@@ -5,7 +5,9 @@ For a bucket with gradients ``g_1 .. g_n`` (views into ``bucket.buffer()``), in 
 1. each gradient takes its path (the compressor's ``choose_path``, as in the Horovod optimizer; dense during
    the first ``warmup_steps`` rounds). A sparse one goes through error feedback and selection
    (:class:`horovod_adtopk.sparsify.Sparsifier`: the same kernels) and is packed into its ``uint8`` block by its
-   wire kind (:class:`horovod_adtopk.payload.SparseGather`, as the Horovod engine and local steps pack theirs);
+   wire kind (:class:`horovod_adtopk.payload.SparseGather`, as the Horovod engine and local steps pack theirs).
+   CUDA gradients of plain ADTopk with plain error feedback are selected together, the whole bucket in a few
+   launches (:meth:`Sparsifier.select_bucket`, ``BUCKET_SELECT``), bit for bit as one by one;
 2. the dense gradients are concatenated (and compressed, for a dense compressor such as fp16) and
    allreduced together: one asynchronous ``all_reduce``; Random-k's values (positions every rank knows)
    are summed by one more;
@@ -21,6 +23,7 @@ The callback does local work only; no collective is ever issued from it.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import List, Tuple
 
@@ -31,6 +34,15 @@ from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, payload_bytes
 from .communicator import peer_lost
+
+
+#: Whole-bucket selection (:meth:`BucketExchange._select_together`): ``"auto"`` for CUDA gradients (Triton's
+#: fused launches; the CPU keeps one native call per tensor, as fast), ``"off"`` never, ``"loop"`` / ``"triton"``
+#: for every device (``horovod_adtopk.bucket_select``'s ``impl``; the tests' way to run the path on the CPU).
+#: The environment's ``HOROVOD_ADTOPK_BUCKET_SELECT`` sets it at import.
+BUCKET_SELECT = os.environ.get("HOROVOD_ADTOPK_BUCKET_SELECT", "auto").strip().lower() or "auto"
+if BUCKET_SELECT not in ("auto", "off", "loop", "triton"):
+    raise ValueError(f"HOROVOD_ADTOPK_BUCKET_SELECT={BUCKET_SELECT!r}: use auto, off, loop or triton")
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:
@@ -68,8 +80,11 @@ class BucketExchange:
             raise TypeError("horovod_adtopk.ddp: this bucket holds a sparse gradient (e.g. nn.Embedding(sparse=True)); "
                             "use a dense embedding, or DDP without this hook for that model")
         start = time.perf_counter()
-        for p, view in zip(self.bucket.parameters(), self.bucket.gradients()):
-            self._take(p, view)
+        taken = [self._take(p, view) for p, view in zip(self.bucket.parameters(), self.bucket.gradients())]
+        taken = [t for t in taken if t is not None]
+        self._select_together(buffer, taken)
+        for view, info, s in taken:
+            self._place(view, info, s)
         self._launch_dense()
         self._launch_shared()
         self._launch_sparse()
@@ -99,25 +114,19 @@ class BucketExchange:
         return out
 
     # --- in the hook -----------------------------------------------------------------------------------------
-    def _take(self, p, view: torch.Tensor) -> None:
-        """Route one gradient. ``p.grad is None`` means this rank did not use ``p`` in this forward pass (DDP
-        with ``find_unused_parameters``): it contributes nothing and keeps its memory."""
+    def _take(self, p, view: torch.Tensor):
+        """Route one gradient; a sparse one returns ``(view, info, selection)`` for :meth:`_place`, its selection
+        None where :meth:`_select_together` makes it. ``p.grad is None`` means this rank did not use ``p`` in
+        this forward pass (DDP with ``find_unused_parameters``): it contributes nothing and keeps its memory."""
         state = self.state
         name, info = state.tensor_info(p)
         has_grad = p.grad is not None
         if state.sends_sparse(name):
             sparsifier = state.sparsifier
+            if has_grad and self._together(view, info):
+                return view, info, None
             s = sparsifier.select(view, info, self.step) if has_grad else sparsifier.empty(info, self.step, view.device)
-            plan, layout = state.shard_plans.get(name), getattr(s.codec, "layout", None)
-            if plan is not None and layout is not None:
-                if not plan.fits(layout):
-                    plan = sharded.plan_sparse(name, layout, None, None, self.world, self._wire_dtype(info),
-                                               s.codec.index_dtype)  # a density warm-up's k
-                if plan is not None:
-                    self.sharded.append((view, info, s, plan))
-                    return
-            (self.shared if isinstance(s.codec, SharedCodec) else self.sparse).append((view, info, s))
-            return
+            return view, info, s
         if not has_grad:
             view.zero_()
         else:
@@ -125,6 +134,49 @@ class BucketExchange:
             if released is not None:
                 view.copy_(released)
         self.dense.append((view, name))
+
+    def _together(self, view: torch.Tensor, info: TensorInfo) -> bool:
+        """Whether this gradient's selection runs with the bucket's others (:meth:`_select_together`): CUDA
+        tensors of plain ADTopk with plain error feedback (``BUCKET_SELECT``; on the CPU the per-tensor native
+        kernel is kept), contiguous in the bucket's buffer."""
+        mode = BUCKET_SELECT
+        if mode == "off" or (mode == "auto" and view.device.type != "cuda"):
+            return False
+        return self.state.sparsifier.batches(info) and view.is_contiguous()
+
+    def _select_together(self, buffer: torch.Tensor, taken: list) -> None:
+        """The deferred selections of :meth:`_take`, all at once (:meth:`Sparsifier.select_bucket`), in bucket
+        order: bit for bit what one :meth:`Sparsifier.select` per tensor gives."""
+        todo = [i for i, (_, _, s) in enumerate(taken) if s is None]
+        if not todo:
+            return
+        start, size = buffer.data_ptr(), buffer.element_size()
+        end = start + buffer.numel() * size
+        for i in list(todo):  # a gradient that is not a view of the buffer is selected on its own
+            view, info, _ = taken[i]
+            ptr = view.data_ptr()
+            if view.dtype != buffer.dtype or not start <= ptr <= end - view.numel() * size or (ptr - start) % size:
+                taken[i] = (view, info, self.state.sparsifier.select(view, info, self.step))
+                todo.remove(i)
+        if not todo:
+            return
+        got = self.state.sparsifier.select_bucket(buffer.view(-1), [taken[i][:2] for i in todo], self.step,
+                                                  impl=BUCKET_SELECT)
+        for i, s in zip(todo, got):
+            taken[i] = (taken[i][0], taken[i][1], s)
+
+    def _place(self, view: torch.Tensor, info: TensorInfo, s) -> None:
+        """A sparse gradient's selection to its exchange: owner-sharded, shared positions, or allgathered."""
+        name = info.name
+        plan, layout = self.state.shard_plans.get(name), getattr(s.codec, "layout", None)
+        if plan is not None and layout is not None:
+            if not plan.fits(layout):
+                plan = sharded.plan_sparse(name, layout, None, None, self.world, self._wire_dtype(info),
+                                           s.codec.index_dtype)  # a density warm-up's k
+            if plan is not None:
+                self.sharded.append((view, info, s, plan))
+                return
+        (self.shared if isinstance(s.codec, SharedCodec) else self.sparse).append((view, info, s))
 
     def _launch_dense(self) -> None:
         if not self.dense:

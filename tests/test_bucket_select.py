@@ -1,0 +1,353 @@
+"""Whole-bucket ADTopk selection (horovod_adtopk.bucket_select) against the numpy reference and, bit for bit,
+against the per-tensor path (triton_kernels.adtopk_select and kernels.adtopk_select).
+
+As in tests/test_triton_kernels.py: on a CUDA machine the fused launches run compiled on CUDA tensors;
+elsewhere on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set before Triton is imported),
+with small shapes, and the streamed (multi-pass) fibers reached by lowering ``ONE_PASS_MAX``.
+"""
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton
+
+from horovod_adtopk import bucket_select as bs  # noqa: E402
+from horovod_adtopk import kernels  # noqa: E402
+
+from .reference import adtopk_mask  # noqa: E402
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DEVICE = "cuda" if CUDA else "cpu"
+_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+        torch.float64: torch.int64}
+
+# A mixed bucket: row and column fibers, k = 1, k = fiber length, a single fiber, lengths not a power of two.
+MIXED = [bs.FiberSpec(8, 20, 1, 3), bs.FiberSpec(12, 6, 0, 2), bs.FiberSpec(4, 33, 1, 33), bs.FiberSpec(5, 7, 0, 1),
+         bs.FiberSpec(1, 40, 1, 1), bs.FiberSpec(9, 3, 0, 9)]
+
+
+def _tk():
+    tk = pytest.importorskip("horovod_adtopk.triton_kernels")
+    if not tk.available():
+        pytest.skip("Triton is not installed")
+    if not CUDA and not tk.interpreted():
+        tk = importlib.reload(tk)  # imported earlier in this process without the interpreter
+    return tk
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().cpu().contiguous().view(_INT.get(x.dtype, x.dtype))
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal values, any NaN equal to any NaN (torch's own addition may give another NaN payload)."""
+    xs, ys = _np(x), _np(y)
+    return bool(np.all((xs == ys) | (np.isnan(xs) & np.isnan(ys))))
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().to("cpu", torch.float64).numpy()
+
+
+def _offsets(specs, gap=0):
+    offs, o = [], gap
+    for s in specs:
+        offs.append(o)
+        o += s.numel + gap
+    return offs, o
+
+
+def _data(n, dtype, seed, ties=False, nonfinite=False):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct magnitudes: many ties at every fiber's k-th key
+        x = (torch.randint(-3, 4, (n,), generator=g).to(torch.float32) * 0.5)
+    else:
+        x = torch.randn(n, generator=g)
+    x = x.to(dtype)
+    if nonfinite:
+        pos = torch.randperm(n, generator=g)[:max(3, n // 25)]
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        x[pos] = specials[torch.arange(pos.numel()) % 3]
+    return x
+
+
+def _check(specs, dtype, seed, impl="triton", ties=False, nonfinite=False, grad=True, zero=True, gap=0):
+    a_off, n_a = _offsets(specs)
+    g_off, n_g = _offsets(specs, gap)
+    a = _data(n_a, dtype, seed, ties, nonfinite).to(DEVICE)
+    g = _data(n_g, dtype, seed + 1, ties, False).to(DEVICE) if grad else None
+    before = a.clone()
+    p = bs.plan(specs, a_off, g_off, dtype=dtype, device=DEVICE, impl=impl)
+    values, local = bs.select(a, p, g, zero_sent=zero)
+    assert values.shape == (p.total,) and local.dtype == torch.int64
+    per_tensor = before.clone()  # the per-tensor path through kernels.adtopk_select (native / torch / Triton)
+    ref_a = before.clone()
+    triton_a = before.clone() if impl == "triton" else None
+    for i, (s, (v, l)) in enumerate(zip(specs, bs.split(p, values, local))):
+        sa = slice(a_off[i], a_off[i] + s.numel)
+        gi = None if g is None else g[g_off[i]:g_off[i] + s.numel]
+        v2, l2 = kernels.adtopk_select(per_tensor[sa], s.rows, s.cols, s.axis, s.k, gi, zero)
+        assert torch.equal(_bits(v), _bits(v2)) and torch.equal(l.cpu(), l2.cpu()), f"tensor {i}: not the per-tensor path"
+        if triton_a is not None:
+            v3, l3 = _tk().adtopk_select(triton_a[sa], s.rows, s.cols, s.axis, s.k, grad=gi, zero_sent=zero)
+            assert torch.equal(_bits(v), _bits(v3)) and torch.equal(l.cpu(), l3.cpu()), f"tensor {i}: not Triton's"
+        # numpy reference on a + g (added in the tensor's dtype, as the kernels do)
+        full = ref_a[sa] if gi is None else (ref_a[sa] + gi)
+        m = _np(full).reshape(s.rows, s.cols)
+        mask = np.zeros((s.num_fibers, s.fiber_len), dtype=bool)
+        np.put_along_axis(mask, l.cpu().numpy(), True, axis=1)
+        ref = adtopk_mask(m, (s.k + 0.5) / s.fiber_len, s.axis)
+        assert np.array_equal(mask if s.axis == 1 else mask.T, ref), f"tensor {i}: not the reference's set"
+        if s.k > 1:
+            assert bool((l[:, 1:] > l[:, :-1]).all())
+        fibers = full.view(s.rows, s.cols) if s.axis == 1 else full.view(s.rows, s.cols).t()
+        assert _same(v, torch.gather(fibers.cpu(), 1, l.cpu()))
+        # the residual: a + g with the sent entries zeroed
+        want = full.clone().view(s.rows, s.cols)
+        if zero:
+            if s.axis == 1:
+                want.scatter_(1, l, 0)
+            else:
+                want.scatter_(0, l.t(), 0)
+        assert _same(a[sa], want.view(-1))
+    assert torch.equal(_bits(a), _bits(per_tensor))
+    if triton_a is not None:
+        assert torch.equal(_bits(a), _bits(triton_a))
+    return p
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bucket_fused_matches_per_tensor_and_reference(dtype):
+    _tk()
+    p = _check(MIXED, dtype, seed=1, nonfinite=True)
+    assert p.fused == list(range(len(MIXED))) and p.single == []
+    assert 1 <= p.launches < len(MIXED)  # fewer launches than tensors
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bucket_fused_ties_no_grad_no_zero(dtype):
+    _tk()
+    _check(MIXED, dtype, seed=3, ties=True, grad=False, zero=False)
+
+
+def test_bucket_fused_separate_grad_offsets():
+    """Gradients at other offsets than the residuals (e.g. a DDP bucket buffer with dense tensors between)."""
+    _tk()
+    _check(MIXED, torch.float32, seed=5, ties=True, nonfinite=True, gap=7)
+
+
+@pytest.mark.parametrize("route", ["streamed", "transposed"])
+def test_bucket_streamed_and_transposed_fibers(monkeypatch, route):
+    """Fibers longer than ONE_PASS_MAX (streamed in several passes); few long columns take the per-tensor
+    transposed route inside the same call."""
+    tk = _tk()
+    monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+    monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0 if route == "streamed" else 1000)
+    monkeypatch.setattr(bs, "_PLANS", {})  # plans depend on the knobs
+    specs = [bs.FiberSpec(3, 37, 1, 5), bs.FiberSpec(21, 4, 0, 6), bs.FiberSpec(2, 5, 1, 2), bs.FiberSpec(19, 2, 0, 19)]
+    p = _check(specs, torch.float16, seed=7, ties=True, nonfinite=True)
+    if route == "transposed":
+        assert 1 in p.single and 3 in p.single and 0 in p.fused
+    else:
+        assert p.single == []
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bucket_loop_fallback_is_the_per_tensor_path(dtype):
+    """Without fused launches (CPU tensors, impl "auto" or "loop"): a loop over kernels.adtopk_select."""
+    for impl in ("auto", "loop"):
+        if CUDA and impl == "auto":
+            continue
+        p = _check(MIXED, dtype, seed=11, impl=impl, ties=dtype == torch.float16, nonfinite=True)
+        assert p.fused == [] and p.launches == 0 and p.table is None
+
+
+@pytest.mark.quick
+def test_plan_cached_and_checked():
+    offs, n = _offsets(MIXED)
+    p = bs.plan(MIXED, offs, dtype=torch.float32, impl="loop")
+    assert bs.plan(list(MIXED), list(offs), dtype=torch.float32, impl="loop") is p
+    old_max = bs.MAX_PLANS
+    try:  # bounded: the least recently used plan goes first
+        bs.MAX_PLANS = 2
+        q = bs.plan(MIXED[:2], offs[:2], dtype=torch.float32, impl="loop")
+        assert bs.plan(MIXED, offs, dtype=torch.float32, impl="loop") is p  # p used again
+        bs.plan(MIXED[:3], offs[:3], dtype=torch.float32, impl="loop")  # drops q
+        assert bs.plan(MIXED, offs, dtype=torch.float32, impl="loop") is p
+        assert bs.plan(MIXED[:2], offs[:2], dtype=torch.float32, impl="loop") is not q
+        assert len(bs._PLANS) <= 2
+    finally:
+        bs.MAX_PLANS = old_max
+    assert p.total == sum(s.count for s in MIXED)
+    with pytest.raises(ValueError):
+        bs.plan([bs.FiberSpec(2, 3, 1, 4)], [0], dtype=torch.float32)
+    with pytest.raises(ValueError):
+        bs.plan(MIXED, offs, dtype=torch.float32, impl="fast")
+    with pytest.raises(ValueError):
+        bs.select(torch.zeros(n - 1, device=DEVICE), bs.plan(MIXED, offs, dtype=torch.float32, device=DEVICE))
+
+
+# --- the engines' entry: Sparsifier.select_bucket against Sparsifier.select, tensor by tensor ----------------
+
+SHAPES = [(16, 12), (24, 5, 2), (7, 40), (4, 16), (3, 3, 4, 4)]
+
+
+def _sparsifier(value_dtype, prescale=1.0):
+    from horovod_adtopk.compressors import ADTopkCompressor
+    from horovod_adtopk.memory import ErrorFeedback
+    from horovod_adtopk.sparsify import Sparsifier
+
+    c = ADTopkCompressor(ratio=0.2, value_dtype=value_dtype)
+    return Sparsifier(c, ErrorFeedback(None), prescale=prescale)
+
+
+def _bucket(dtype, seed):
+    from horovod_adtopk.compressors import TensorInfo
+
+    n = sum(int(np.prod(s)) for s in SHAPES) + 5 * len(SHAPES)
+    buf = _data(n, dtype, seed, ties=seed % 2 == 0, nonfinite=seed % 3 == 0).to(DEVICE)
+    items, o = [], 3
+    for i, shape in enumerate(SHAPES):
+        m = int(np.prod(shape))
+        items.append((buf[o:o + m].view(shape), TensorInfo(f"t{i}", shape, m, dtype)))
+        o += m + 5  # gaps: dense tensors of the bucket between the sparse ones
+    return buf, items
+
+
+@pytest.mark.parametrize("impl", ["loop", "triton"])
+@pytest.mark.parametrize("dtype,value_dtype,prescale", [(torch.float32, None, 1.0), (torch.bfloat16, None, 1.0),
+                                                        (torch.float32, torch.float16, 0.5)])
+def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
+    """Three steps: every selection (values, positions, wire values, finiteness) and every residual bit for bit
+    as Sparsifier.select gives them one tensor at a time; exact wires zero what they send in the kernel,
+    others keep the wire's rounding error in the memory."""
+    if impl == "triton":
+        _tk()
+    per, bucket = _sparsifier(value_dtype, prescale), _sparsifier(value_dtype, prescale)
+    assert bucket.batches(None)
+    for step in range(3):
+        buf, items = _bucket(dtype, seed=20 + step)
+        want = [per.select(g, info, step) for g, info in items]
+        got = bucket.select_bucket(buf, items, step, impl=impl)
+        for (g, info), s1, s2 in zip(items, want, got):
+            assert torch.equal(_bits(s1.values), _bits(s2.values))
+            assert torch.equal(s1.flat.cpu(), s2.flat.cpu()) and torch.equal(s1.wire_index.cpu(), s2.wire_index.cpu())
+            assert torch.equal(_bits(s1.wire_values), _bits(s2.wire_values))
+            assert bool(s1.finite) == bool(s2.finite)
+            assert s1.codec.layout == s2.codec.layout
+            assert torch.equal(_bits(per.memory.residuals[info.name]), _bits(bucket.memory.residuals[info.name]))
+    assert [n for n, _ in per.nonfinite] == [n for n, _ in bucket.nonfinite]
+    # the residuals live in one buffer; one replaced elsewhere (a checkpoint) is copied back in, same result
+    bucket.memory.residuals["t1"] = bucket.memory.residuals["t1"].clone()
+    buf, items = _bucket(dtype, seed=40)
+    want = [per.select(g, info, 3) for g, info in items]
+    got = bucket.select_bucket(buf, items, 3, impl=impl)
+    for s1, s2 in zip(want, got):
+        assert torch.equal(_bits(s1.values), _bits(s2.values)) and torch.equal(s1.flat.cpu(), s2.flat.cpu())
+    for name in per.memory.residuals:
+        assert torch.equal(_bits(per.memory.residuals[name]), _bits(bucket.memory.residuals[name]))
+
+
+@pytest.mark.quick
+def test_batches_only_plain_adtopk_with_plain_error_feedback():
+    from horovod_adtopk.compressors import ADTopkICompressor, TopkCompressor
+    from horovod_adtopk.memory import ErrorFeedback
+    from horovod_adtopk.sparsify import Sparsifier
+
+    assert _sparsifier(None).batches(None)
+    assert not Sparsifier(ADTopkICompressor(ratio=0.1), ErrorFeedback(None)).batches(None)
+    assert not Sparsifier(TopkCompressor(ratio=0.1), ErrorFeedback(None)).batches(None)
+    assert not Sparsifier(_sparsifier(None).compression, ErrorFeedback(0.9)).batches(None)
+    assert not Sparsifier(_sparsifier(None).compression, None).batches(None)
+
+
+def test_ddp_engine_bucket_path_is_bitwise_the_per_tensor_path(tmp_path):
+    """The DDP engine at 2 Gloo ranks with every bucket's ADTopk tensors selected together
+    (HOROVOD_ADTOPK_BUCKET_SELECT=loop: the bucket path on CPU tensors) against the per-tensor path (off):
+    every step's averaged gradients bit for bit, on 7 adtopk cases (axes 0, 1, auto, float64, joined rows and
+    columns, a float16 wire)."""
+    import json
+    import sys
+
+    from tests.harness import run_command
+    from tests.test_ddp import SPARSE_KW, compare_cases
+    from tests.test_optimizer_reference import load_case
+
+    cases = [c for c in compare_cases() if c.get("compressor", "adtopk") == "adtopk" and "momentum" not in c["kwargs"]
+             and c["kwargs"].get("error_feedback", True)][:7]
+    assert len(cases) == 7 and cases[6]["kwargs"].get("value_dtype") == "float16"
+    assert all(c["kwargs"].get("min_numel") == SPARSE_KW["min_numel"] for c in cases)
+    outs = {}
+    for mode in ("off", "loop"):
+        out = tmp_path / mode
+        out.mkdir()
+        (out / "args.json").write_text(json.dumps({"cases": cases}))
+        rc, log, _ = run_command([sys.executable, "-m", "tests._ddp_launch", "2", "reference_cases",
+                                  str(out / "args.json"), str(out)], timeout=240,
+                                 env={"HOROVOD_ADTOPK_BUCKET_SELECT": mode})
+        assert rc == 0, log[-5000:]
+        outs[mode] = [load_case(str(out), ci, 2, case)[1] for ci, case in enumerate(cases)]
+    compared = 0
+    for ci, case in enumerate(cases):
+        for r in range(2):
+            for t in range(case["steps"]):
+                for n in case["shapes"]:
+                    a, b = np.asarray(outs["off"][ci][r][t][n]), np.asarray(outs["loop"][ci][r][t][n])
+                    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"case {ci} rank {r} step {t} {n}"
+                    compared += 1
+    assert compared > 50
+
+
+def test_gpu_check_bucket_and_step_stages_dry(tmp_path):
+    """scripts/gpu_check.sh's stages bucket and step in dry mode (CPU tensors, the interpreter, tiny shapes):
+    they run, and their JSON says the checks passed (timings of a dry run mean nothing and are not judged)."""
+    import json
+    import math
+
+    from tests.harness import REPO, run_command
+
+    rc, log, _ = run_command(["bash", "scripts/gpu_check.sh"], timeout=240,
+                             env={"GPU_CHECK_DRY": "1", "GPU_CHECK_STAGES": "bucket step", "OUT": str(tmp_path),
+                                  "PYTHON": sys_executable()}, cwd=str(REPO))
+    assert rc == 0, log[-6000:]
+    assert "stage bucket ok" in log and "stage step ok" in log
+    res = json.loads((tmp_path / "bench_bucket_select.json").read_text())
+    assert res["ok"] is True and res["dry"] is True
+    models = res["bucket"]["models"]
+    assert len(models) == 3
+    for name, m in models.items():
+        assert m["bitwise_equal"] is True, name
+        assert m["tensors"] >= 4 and 1 <= m["fused_launches"] < m["tensors"] + m["buckets"], name
+        assert m["payload_entries"] >= m["tensors"] and m["numel"] > m["payload_entries"], name
+        assert all(m[k] > 0 for k in ("copy_ms", "bucket_ms", "per_layer_ms")), name
+    step = res["step"]
+    assert step["ok"] is True and step["adtopk_bucket_equals_per_tensor"] is True
+    assert set(step["variants"]) == {"dense", "adtopk", "adtopk_per_tensor", "powersgd", "fp16"}
+    for v in step["variants"].values():
+        assert v["finite"] and all(math.isfinite(x) for x in v["losses"]) and v["step_ms"] > 0
+
+
+def sys_executable():
+    import sys
+
+    return sys.executable
+
+
+@pytest.mark.quick
+def test_gpu_guide_example():
+    """The code block of docs/guides/gpu.md's "Whole-bucket selection", as written there."""
+    import re
+
+    from tests.harness import REPO
+
+    text = (REPO / "docs" / "guides" / "gpu.md").read_text()
+    section = text[text.index("## Whole-bucket selection"):]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "bs.select(" in block
+    exec(compile(block, "docs/guides/gpu.md", "exec"), {})
