@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import kernels
+from .selection import FiberGeometry
 
 __all__ = ["FiberSpec", "BucketPlan", "plan", "select", "split"]
 
@@ -34,29 +35,13 @@ _IMPLS = ("auto", "triton", "loop")
 
 
 @dataclass(frozen=True)
-class FiberSpec:
+class FiberSpec(FiberGeometry):
     """One tensor of a bucket: its ``[rows, cols]`` view, fiber axis and ``k`` (as in ``adtopk_select``)."""
 
     rows: int
     cols: int
     axis: int
     k: int
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def num_fibers(self) -> int:
-        return self.rows if self.axis == 1 else self.cols
-
-    @property
-    def fiber_len(self) -> int:
-        return self.cols if self.axis == 1 else self.rows
-
-    @property
-    def count(self) -> int:
-        return self.num_fibers * self.k
 
 
 class BucketPlan:

@@ -67,15 +67,10 @@ def keep_count(ratio: float, n: int) -> int:
     return max(1, int(math.floor(ratio * n)))
 
 
-@dataclass(frozen=True)
-class FiberLayout:
-    """How a tensor is cut into fibers for all-dimension top-k.
+class FiberGeometry:
+    """What follows from ``rows``, ``cols``, ``axis`` and ``k`` (fields of the dataclasses that mix it in:
+    :class:`FiberLayout`, :class:`horovod_adtopk.bucket_select.FiberSpec`)."""
 
-    ``rows x cols`` is the matrix view ``a.reshape(rows, cols)``; ``axis`` is the axis fibers run along
-    (1: each row is a fiber, 0: each column is a fiber); ``k`` entries are kept per fiber.
-    """
-
-    shape: Tuple[int, ...]
     rows: int
     cols: int
     axis: int
@@ -97,6 +92,21 @@ class FiberLayout:
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class FiberLayout(FiberGeometry):
+    """How a tensor is cut into fibers for all-dimension top-k.
+
+    ``rows x cols`` is the matrix view ``a.reshape(rows, cols)``; ``axis`` is the axis fibers run along
+    (1: each row is a fiber, 0: each column is a fiber); ``k`` entries are kept per fiber.
+    """
+
+    shape: Tuple[int, ...]
+    rows: int
+    cols: int
+    axis: int
+    k: int
 
     @property
     def stride(self) -> int:

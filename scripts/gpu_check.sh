@@ -325,17 +325,21 @@ ddp_check() {
     fi
 }
 
-horovod_check() {  # one process under horovodrun; a missing Horovod or launcher fails at once with the reason
-    local hvdrun controller
+find_horovodrun() {  # find_horovodrun STAGE: sets the caller's controller (--gloo where built) and hvdrun, or says why not
     controller="$("$PY" -c "import horovod.torch as h; print('--gloo' if h.gloo_built() else '')" 2> /dev/null)" || {
-        echo "horovod stage: Horovod (horovod.torch) is not importable with $PY; nothing was run"
+        echo "$1 stage: Horovod (horovod.torch) is not importable with $PY; nothing was run"
         return 1
     }
     hvdrun="$(dirname "$(command -v "$PY")")/horovodrun"
     [ -x "$hvdrun" ] || hvdrun="$(command -v horovodrun)" || {
-        echo "horovod stage: horovodrun is not installed beside $PY nor on PATH; nothing was run"
+        echo "$1 stage: horovodrun is not installed beside $PY nor on PATH; nothing was run"
         return 1
     }
+}
+
+horovod_check() {  # one process under horovodrun; a missing Horovod or launcher fails at once with the reason
+    local hvdrun controller
+    find_horovodrun horovod || return 1
     local dry=()
     [ "$DRY" = "1" ] && dry=(--dry)
     # shellcheck disable=SC2086
@@ -400,15 +404,7 @@ PYEOF
 hvd_jobs() {  # examples/train.py under horovodrun: the CNN and the GPT with ADTopk per step, the transformer recipe
     local hvdrun controller np device=() extra=() gpt_small=() bf16=() text="$OUT_DIR/gpt_text" fm="$OUT_DIR/hvd_fmnist"
     local cnn_steps gpt_steps recipe_steps failed=0
-    controller="$("$PY" -c "import horovod.torch as h; print('--gloo' if h.gloo_built() else '')" 2> /dev/null)" || {
-        echo "hvd_jobs stage: Horovod (horovod.torch) is not importable with $PY; nothing was run"
-        return 1
-    }
-    hvdrun="$(dirname "$(command -v "$PY")")/horovodrun"
-    [ -x "$hvdrun" ] || hvdrun="$(command -v horovodrun)" || {
-        echo "hvd_jobs stage: horovodrun is not installed beside $PY nor on PATH; nothing was run"
-        return 1
-    }
+    find_horovodrun hvd_jobs || return 1
     if [ "$DRY" = "1" ]; then  # CPU tensors, 2 ranks over Gloo: the replicas' check applies; tiny runs
         np=2 controller=--gloo device=(--no-cuda) gpt_small=(--gpt-layers 2)
         cnn_steps=6 gpt_steps=3 recipe_steps=4
@@ -513,7 +509,7 @@ PYEOF
 }
 
 export OUT_DIR PY DRY
-export -f versions run_tests bench ddp_check horovod_check hvd_fmnist hvd_jobs gpt_job gpt gpt_local
+export -f versions run_tests bench ddp_check find_horovodrun horovod_check hvd_fmnist hvd_jobs gpt_job gpt gpt_local
 
 # Stages bucket and step: benchmarks/bench_bucket_select.py (its docstring says what they measure). bucket: the
 # whole-bucket ADTopk selection on GPT-2 small, BERT-base and ResNet-50 against a minimum-traffic copy and the
