@@ -32,6 +32,18 @@ from .selection import FiberGeometry
 __all__ = ["FiberSpec", "BucketPlan", "plan", "select", "split"]
 
 _IMPLS = ("auto", "triton", "loop")
+MODES = ("auto", "off", "loop", "triton")
+
+
+def env_mode() -> str:
+    """``HOROVOD_ADTOPK_BUCKET_SELECT`` (auto, off, loop or triton; default auto): when the engines select their
+    ADTopk tensors together (``"auto"``: CUDA gradients; ``"loop"`` / ``"triton"``: any device, as ``impl``)."""
+    import os
+
+    mode = os.environ.get("HOROVOD_ADTOPK_BUCKET_SELECT", "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"HOROVOD_ADTOPK_BUCKET_SELECT={mode!r}: use auto, off, loop or triton")
+    return mode
 
 
 @dataclass(frozen=True)

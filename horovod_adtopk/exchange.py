@@ -12,7 +12,9 @@ then :meth:`Exchange.finish`, which waits and writes the aggregated gradient int
 - :class:`SparseGradExchange`: a sparse (COO) gradient, e.g. ``nn.Embedding(sparse=True)``'s, aggregated
   as Horovod does it (values and indices allgathered, averaged for ``hvd.Average``), handed back sparse.
 
-:class:`SparseSender` builds the sparse ones: error feedback -> selection -> wire -> collective.
+:class:`SparseSender` builds the sparse ones: error feedback -> selection -> wire -> collective. The optimizer's
+sender collects plain-ADTopk CUDA gradients into groups (``BUCKET_SELECT``) and selects each group with one
+:meth:`Sparsifier.select_bucket` call; every tensor's exchange is then built from its selection as alone.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import List, Optional
 
 import torch
 
-from . import lowrank, payload, sharded
+from . import bucket_select, lowrank, payload, sharded
 from .compressors import SharedCodec, SparseCompressor, TensorInfo
 from .memory import ErrorFeedback
 from .sparsify import Sparsifier, aggregate_blocks  # noqa: F401  (aggregate_blocks: re-exported)
@@ -30,6 +32,13 @@ from .wire import COUNT_BYTES, payload_bytes
 
 #: dtypes Horovod's collectives cannot reduce on the CPU: carried as float32 and cast back.
 UPCAST = {torch.bfloat16: torch.float32}
+
+#: Group selection (:meth:`SparseSender.send`): ``"auto"`` groups CUDA gradients (the CPU keeps one native call
+#: per tensor), ``"off"`` none, ``"loop"`` / ``"triton"`` those of every device (the tests' way to run it on the
+#: CPU). ``HOROVOD_ADTOPK_BUCKET_SELECT`` sets it at import, as for the DDP engine.
+BUCKET_SELECT = bucket_select.env_mode()
+#: Gradient bytes of one selection group (as DDP's ``bucket_cap_mb=25``).
+GROUP_CAP_BYTES = 25 * 1024 * 1024
 
 
 def store_grad(grad: torch.Tensor, result: torch.Tensor) -> None:
@@ -133,6 +142,24 @@ class SparseExchange(Exchange):
         self.sender.timed(self.info.name, 1, time.perf_counter() - start)
 
 
+class CollectedExchange(Exchange):
+    """A sparse gradient waiting in its selection group (:meth:`SparseSender.send`); ``inner`` is its exchange
+    once the group is selected (when it is full, or at :meth:`SparseSender.flush`)."""
+
+    def __init__(self, sender: "SparseSender", p) -> None:
+        self.params, self.sender, self.inner = (p,), sender, None
+
+    def advance(self) -> None:
+        if self.inner is None:
+            self.sender.flush()
+        self.inner.advance()
+
+    def finish(self) -> None:
+        if self.inner is None:
+            self.sender.flush()
+        self.inner.finish()
+
+
 class SharedExchange(Exchange):
     """Values at positions every rank drew identically (Random-k), summed (and averaged) by allreduce."""
 
@@ -204,6 +231,11 @@ class SparseSender:
         # the owner-sharded exchange: each sharded tensor's plan (horovod_adtopk.paths), this rank's owner residuals
         self.shard_plans: dict = {}
         self.owner: dict = {}
+        # selection groups of this round: (device, dtype) -> [step, bytes, [(p, grad, info, CollectedExchange)]];
+        # only where the owner flushes them (the optimizer's sender, not the hierarchical exchange's)
+        self.grouping = False
+        self.groups: dict = {}
+        self.group_selections = 0  # groups selected so far (select_bucket calls)
 
     def timed(self, name: str, which: int, seconds: float) -> None:
         """Account ``seconds`` of compression (``which=0``) or decompression (1) work on ``name``."""
@@ -222,22 +254,82 @@ class SparseSender:
         if self.overlap is not None and self.overlap.applies(grad):
             # Built by the worker thread; the counters are written on this thread when it is waited for.
             return self.overlap.submit(lambda: self._build(p, grad, info, step), (p,), self._account)
+        if self._collects(grad, info):
+            return self._collect(p, grad, info, step)
         exchange, accounting = self._build(p, grad, info, step)
         self._account(accounting)
         return exchange
+
+    # --- selection groups: the gradients ready together, selected by one Sparsifier.select_bucket ---------------
+    def _collects(self, grad: Optional[torch.Tensor], info: TensorInfo) -> bool:
+        """Whether ``grad`` waits for its group: plain ADTopk with plain error feedback (``Sparsifier.batches``),
+        a contiguous dense gradient, on CUDA (or any device when ``BUCKET_SELECT`` is loop / triton)."""
+        mode = BUCKET_SELECT
+        if not self.grouping or mode == "off" or grad is None or (mode == "auto" and grad.device.type != "cuda"):
+            return False
+        return (self.sparsifier.batches(info) and grad.layout == torch.strided and grad.is_contiguous()
+                and grad.dtype == info.dtype)
+
+    def _collect(self, p, grad: torch.Tensor, info: TensorInfo, step: int) -> Exchange:
+        key = (grad.device, grad.dtype)
+        group = self.groups.get(key)
+        if group is not None and group[0] != step:  # cannot happen within a round; select the old one first
+            self._select_group(self.groups.pop(key))
+            group = None
+        if group is None:
+            group = self.groups[key] = [step, 0, []]
+        placeholder = CollectedExchange(self, p)
+        group[2].append((p, grad, info, placeholder))
+        group[1] += grad.numel() * grad.element_size()
+        if group[1] >= GROUP_CAP_BYTES:
+            self._select_group(self.groups.pop(key))
+        return placeholder
+
+    def flush(self) -> None:
+        """Select the groups not yet full (``synchronize()``, before any exchange is waited for)."""
+        while self.groups:
+            self._select_group(self.groups.pop(next(iter(self.groups))))
+
+    def discard(self) -> None:
+        """Forget the groups of an abandoned round (their gradients are not sent)."""
+        self.groups.clear()
+
+    def _select_group(self, group: list) -> None:
+        """Stage the group's gradients into one buffer, select them all with :meth:`Sparsifier.select_bucket`
+        (bit for bit one :meth:`Sparsifier.select` per tensor), then build every tensor's exchange from its
+        selection exactly as :meth:`_build` does alone; the selection's seconds are shared by size."""
+        step, _, entries = group
+        start = time.perf_counter()
+        grads = [g for _, g, _, _ in entries]
+        buffer = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].view(-1)
+        items, offset = [], 0
+        for g, (_, _, info, _) in zip(grads, entries):
+            items.append((buffer[offset:offset + g.numel()].view(g.shape), info))
+            offset += g.numel()
+        selections = self.sparsifier.select_bucket(buffer, items, step, impl=BUCKET_SELECT)
+        self.group_selections += 1
+        seconds = time.perf_counter() - start
+        for (p, grad, info, placeholder), s in zip(entries, selections):
+            placeholder.inner, accounting = self._build(p, grad, info, step, s,
+                                                        seconds * grad.numel() / max(1, buffer.numel()))
+            self._account(accounting)
 
     def _account(self, accounting: tuple) -> None:
         name, numel, elements, sent, wire, seconds = accounting
         self.stats.record(name, numel, elements, sent, wire=wire, world=self.comm.size())
         self.timed(name, 0, seconds)
 
-    def _build(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int):
+    def _build(self, p, grad: Optional[torch.Tensor], info: TensorInfo, step: int, s=None, seconds: float = 0.0):
         """The exchange and its accounting ``(name, numel, elements, bytes, wire, seconds)``; touches no
-        counter, so the overlap worker can run it."""
+        counter, so the overlap worker can run it. ``s``: the selection when a group made it (``seconds``:
+        its share of the group's time)."""
         c = self.compression
-        start = time.perf_counter()
+        start = time.perf_counter() - seconds
         wire_dtype = c.wire_value_dtype(info.dtype)
-        s = self.sparsifier.empty(info, step, p.device) if grad is None else self.sparsifier.select(grad, info, step)
+        if s is None and grad is None:
+            s = self.sparsifier.empty(info, step, p.device)
+        elif s is None:
+            s = self.sparsifier.select(grad, info, step)
         tag = f"hat.sparse.{info.name}"
         plan = self.shard_plans.get(info.name)
         layout = getattr(s.codec, "layout", None)

@@ -8,6 +8,10 @@ One step, per parameter (Horovod's shape: hooks start the communication while th
     step() / synchronize() -> exchange.advance() -> exchange.finish(): wait, unpack, scatter-add,
                               average into p.grad -> the wrapped optimizer's step
 
+CUDA gradients of plain ADTopk with plain error feedback wait in a group (up to ``exchange.GROUP_CAP_BYTES``,
+the rest until ``synchronize()``) and are selected together (:meth:`SparseSender.send`, ``BUCKET_SELECT``), bit
+for bit as one by one.
+
 A parameter goes dense when it is 1-D, small, or not worth sparsifying (``SparseCompressor.choose_path``),
 during the first ``warmup_steps`` rounds, or when partial sparsification decided so
 (:mod:`horovod_adtopk.partial`). The configuration check (:mod:`horovod_adtopk.config_check`) runs before
@@ -75,6 +79,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                      *self._scales()) if self._sparse else None)
         if self._sender is not None:
             self._sender.exchange = exchange
+            # plain-ADTopk gradients selected in groups (exchange.BUCKET_SELECT); synchronize() flushes them
+            self._sender.grouping = True
         self._exchange = exchange
         self._overlap = overlap_.attach(self._sender, overlap, communicator.local_size())
         self._partial = PartialSparsification(profile_rounds) if partial_sparsification and self._sparse else None
@@ -242,6 +248,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = self._submit(p)
             elif group not in self._handles:
                 self._submit_group(group)
+        if self._sender is not None:
+            self._sender.flush()  # the selection groups not yet full, before anything is waited for
         first_name = lambda k: self._parameter_names[k[0] if isinstance(k, tuple) else k]  # noqa: E731
         exchanges = [self._handles[k] for k in sorted(self._handles, key=first_name)]
         for exchange in exchanges:
@@ -295,6 +303,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._overlap is not None and self._handles:
             self._overlap.drain()
         self._handles = {}
+        if self._sender is not None:
+            self._sender.discard()
         self._join.reset()
         self._allreduce_delay = dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step)
 

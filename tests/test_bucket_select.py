@@ -351,3 +351,131 @@ def test_gpu_guide_example():
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "bs.select(" in block
     exec(compile(block, "docs/guides/gpu.md", "exec"), {})
+
+
+# --- the Horovod engine: gradients selected in groups (exchange.SparseSender) against one by one ---------------
+
+HVD_SPECS = [  # Net of tests/bucket_workers.py: conv [6, 2, 3, 3], fc1 [40, 96], fc2 [24, 40], fc3 [5, 24]
+    {"steps": 4, "kwargs": {"ratio": 0.1, "axis": 1, "min_numel": 0, "hybrid": False}, "cap": 4000},
+    {"steps": 4, "kwargs": {"ratio": 0.2, "axis": 0, "min_numel": 0, "hybrid": False}, "bpps": 2},
+    {"steps": 4, "kwargs": {"ratio": 0.1, "min_numel": 0, "hybrid": False, "value_dtype": "float16"},
+     "warmup_steps": 1, "cap": 20000},
+    {"steps": 3, "kwargs": {"ratio": 0.1, "axis": 1, "min_numel": 0, "hybrid": False}, "exchange": "sharded"},
+]
+
+
+def _hvd_cases():
+    from tests.test_optimizer_reference import make_cases
+
+    cases = [c for c in make_cases() if c.get("compressor", "adtopk") == "adtopk"
+             and c["kwargs"].get("error_feedback", True)]
+    keep = [c for c in cases if (c["kwargs"].get("axis"), c["kwargs"]["ratio"], c["dtype"]) in
+            (("auto", 0.05, "float32"), (0, 0.3, "float64"))]
+    keep += [c for c in cases if "value_dtype" in c["kwargs"] or "predivide" in c
+             or c["kwargs"].get("join") == "columns"]
+    assert len(keep) == 5
+    return keep
+
+
+def _hvd_run(mode, cases, specs, extra_env=None):
+    from tests.harness import launch
+
+    rc, log, outdir, seconds = launch("bucket_workers:train", np=2, args={"specs": specs, "cases": cases},
+                                      timeout=240, env={"HOROVOD_ADTOPK_BUCKET_SELECT": mode, **(extra_env or {})})
+    assert rc == 0, log[-8000:]
+    print(f"{mode}: {seconds:.1f} s")
+    import json
+    from pathlib import Path
+
+    return outdir, [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _npz(outdir, name):
+    from pathlib import Path
+
+    with np.load(Path(outdir, name)) as z:
+        return {k: z[k] for k in z.files}
+
+
+def _untimed(x):
+    """Counters without the measured seconds."""
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items() if not k.endswith("_seconds")}
+    return [_untimed(v) for v in x] if isinstance(x, list) else x
+
+
+def _hvd_compare(runs, specs, cases, prefix=False):
+    """Every mode's files bit for bit the first's (gradients, residuals, counters); ranks' gradients identical.
+    ``prefix``: the other modes ran fewer steps (their steps against the first's, counters not compared)."""
+    from tests.test_optimizer_reference import load_case
+
+    (_, (base_dir, base_sum)), *others = runs.items()
+    compared = 0
+    for mode, (outdir, summ) in others:
+        for r in range(2):
+            assert prefix or summ[r]["train"] == base_sum[r]["train"], mode
+            if cases:
+                assert _untimed(summ[r]["cases"]) == _untimed(base_sum[r]["cases"]), mode
+            for si in range(len(specs)):
+                a, b = _npz(base_dir, f"spec{si}_rank{r}.npz"), _npz(outdir, f"spec{si}_rank{r}.npz")
+                assert (set(b) <= set(a) if prefix else sorted(a) == sorted(b)) and any(k.startswith("res/") for k in b)
+                for k in b:
+                    assert a[k].dtype == b[k].dtype and a[k].tobytes() == b[k].tobytes(), \
+                        f"{mode} spec {si} rank {r} {k}"
+                    compared += 1
+            for ci, case in enumerate(cases):
+                a, b = _npz(base_dir, f"case{ci}_rank{r}.npz"), _npz(outdir, f"case{ci}_rank{r}.npz")
+                assert sorted(a) == sorted(b)
+                for k in a:
+                    assert a[k].tobytes() == b[k].tobytes(), f"{mode} case {ci} rank {r} {k}"
+                    compared += 1
+    for outdir, _ in runs.values():  # the ranks hand back the same average
+        for si in range(len(specs)):
+            a, b = _npz(outdir, f"spec{si}_rank0.npz"), _npz(outdir, f"spec{si}_rank1.npz")
+            for k in a:
+                if k.startswith("out/"):
+                    assert a[k].tobytes() == b[k].tobytes(), f"spec {si} {k}: ranks differ"
+        for ci, case in enumerate(cases):
+            outs = load_case(outdir, ci, 2, case)[1]
+            for t in range(case["steps"]):
+                for n in case["shapes"]:
+                    assert outs[0][t][n].tobytes() == outs[1][t][n].tobytes()
+    return compared
+
+
+def test_horovod_engine_groups_are_bitwise_the_per_tensor_path():
+    """hat.DistributedOptimizer at 2 Gloo ranks with its plain-ADTopk gradients selected in groups
+    (HOROVOD_ADTOPK_BUCKET_SELECT=loop: the group path on CPU tensors; =triton on the first spec's first rounds:
+    its fused launches under the Triton interpreter, on any machine) against one by one (off): a model
+    trained through the gradient hooks (row and column fibers, 1-D biases dense, groups closed by small caps and
+    flushed at synchronize(), backward_passes_per_step=2, a dense warm-up round, a float16 wire, the
+    owner-sharded exchange) and five reference cases fed through synchronize() (float32 and float64, joined
+    columns, a float16 wire, a predivide factor): every step's averaged gradients, every rank's residuals and
+    the byte counters bit for bit; the ranks agree; the group path's aggregates match the numpy reference."""
+    from tests.test_optimizer_reference import expected_for, load_case
+
+    _tk()
+    cases = _hvd_cases()
+    env = {"TRITON_INTERPRET": "1"}  # the ranks' tensors are CPU tensors, on a CUDA machine too
+    runs = {mode: _hvd_run(mode, cases, HVD_SPECS, env) for mode in ("off", "loop")}
+    assert _hvd_compare(runs, HVD_SPECS, cases) > 600
+    # the interpreter is slow: the first spec's first two rounds
+    runs["triton"] = _hvd_run("triton", [], [dict(HVD_SPECS[0], steps=2)], env)
+    assert _hvd_compare({m: runs[m] for m in ("off", "triton")}, HVD_SPECS[:1], [], prefix=True) > 25
+    off, loop, triton = (runs[m][1][0] for m in ("off", "loop", "triton"))
+    assert off["groups"] == [0, 0, 0, 0] and off["fused_launches"] == 0
+    assert loop["train"][3]["sharded"] and loop["groups"][3] == 3  # the owner-sharded exchange, grouped
+    # spec 0: the small cap closes a group before synchronize() (2 or more per round); spec 1: one per round
+    assert loop["groups"][0] >= 8 and loop["groups"][1] == 4 and triton["groups"][0] >= 4
+    assert loop["fused_launches"] == 0 and triton["fused_launches"] > 0
+    outdir = runs["loop"][0]
+    for ci, case in enumerate(cases):
+        grads, outs, _ = load_case(outdir, ci, 2, case)
+        expected, sparse = expected_for(case, grads, 2)
+        assert any(sparse.values())
+        tol = dict(rtol=1e-5, atol=1e-6) if case["dtype"] == "float32" else dict(rtol=1e-12, atol=1e-12)
+        for t in range(case["steps"]):
+            for n in case["shapes"]:
+                np.testing.assert_allclose(outs[0][t][n], expected[t][n], **tol, err_msg=f"case {ci} step {t} {n}")
+    assert all(s["paths"][f"s{i}.fc1.bias"] == "dense" and s["paths"][f"s{i}.fc1.weight"] != "dense"
+               for i, s in enumerate(loop["train"]))
