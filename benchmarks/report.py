@@ -803,8 +803,10 @@ but no GPU session has re-run `GPU_CHECK_STAGES=ddp bash scripts/gpu_check.sh` s
 **Never run on a GPU:** Horovod (any collective), more than one GPU, NCCL across processes, step times of
 a real multi-GPU job, the convergence grids. Prepared for the next session and checked only in their CPU dry
 mode: the `horovod` stage of `scripts/gpu_check.sh` (every compressor family through Horovod's NCCL operations
-at one rank against the CPU) and its `hvd_jobs` stage (the job's CNN, GPT and local-steps recipe under
-`horovodrun` on CUDA; the command: [GPUs](guides/gpu.md#the-next-gpu-run)).
+at one rank against the CPU), its `hvd_jobs` stage (the job's CNN, GPT and local-steps recipe under
+`horovodrun` on CUDA) and its `bucket` and `step` stages (whole-bucket selection against a minimum-traffic copy
+and the per-layer path, and a GPT-2-small step on the DDP engine; the kernel has run only under Triton's
+interpreter); the commands: [GPUs](guides/gpu.md#the-next-gpu-run).
 
 {prov_line(*provs)}
 """
