@@ -23,13 +23,12 @@ The callback does local work only; no collective is ever issued from it.
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import List, Tuple
 
 import torch
 
-from .. import payload, sharded
+from .. import bucket_select, payload, sharded
 from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, payload_bytes
@@ -40,9 +39,7 @@ from .communicator import peer_lost
 #: fused launches; the CPU keeps one native call per tensor, as fast), ``"off"`` never, ``"loop"`` / ``"triton"``
 #: for every device (``horovod_adtopk.bucket_select``'s ``impl``; the tests' way to run the path on the CPU).
 #: The environment's ``HOROVOD_ADTOPK_BUCKET_SELECT`` sets it at import.
-BUCKET_SELECT = os.environ.get("HOROVOD_ADTOPK_BUCKET_SELECT", "auto").strip().lower() or "auto"
-if BUCKET_SELECT not in ("auto", "off", "loop", "triton"):
-    raise ValueError(f"HOROVOD_ADTOPK_BUCKET_SELECT={BUCKET_SELECT!r}: use auto, off, loop or triton")
+BUCKET_SELECT = bucket_select.env_mode()
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:
