@@ -14,14 +14,15 @@ ResNet-50 (their parameter shapes written out below: no downloads), float32 grad
 
 - ``copy``: one kernel moving the bytes such a pass must move at least: read the gradient, read and write the
   residual, write the payload (values and int64 fiber-local positions), write the averaged gradient;
-- ``bucket``: ``horovod_adtopk.bucket_select`` per bucket (error-feedback add, per-fiber top-k, payload packed
-  tensor after tensor, sent entries zeroed), then the decode of 8 ranks' payloads (8 simulated ranks: the
-  local payload 8 times, summed rank by rank with one ``index_add_`` per rank over the whole bucket, flat
-  positions from a per-bucket table built once) into the averaged gradient;
-- ``per_layer``: today's path, tensor by tensor: ``kernels.adtopk_select``, ``FiberCodec.to_flat`` and one
-  ``index_add_`` per rank per tensor.
+- ``bucket``: ``horovod_adtopk.bucket_select.select`` per bucket (error-feedback add, per-fiber top-k, sent
+  entries zeroed, every tensor's wire block written into one ``uint8`` buffer), then
+  ``bucket_select.decode`` of 8 ranks' buffers (8 simulated ranks: a ``[8, wire bytes]`` buffer as an
+  allgather delivers it; one launch for the zeroing and one per rank over the whole bucket) into the averaged
+  gradient: what the DDP engine runs per bucket on CUDA;
+- ``per_layer``: the per-tensor path, tensor by tensor: ``kernels.adtopk_select``, ``wire.pack``, the
+  concatenation of the 8 ranks' blocks and ``sparsify.aggregate_blocks`` (one ``index_add_`` per rank).
 
-Checks: the bucket path's payload, residual and averaged gradient are bit for bit the per-layer path's;
+Checks: the bucket path's wire blocks, residual and averaged gradient are bit for bit the per-layer path's;
 the bucket path runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation).
 Ratios: ``bucket / copy`` (target <= 2) and ``per_layer / bucket`` (target >= 5).
 
@@ -60,7 +61,8 @@ from horovod_adtopk import bucket_select as bs  # noqa: E402
 from horovod_adtopk import kernels  # noqa: E402
 from horovod_adtopk.compressors import ADTopkCompressor, TensorInfo  # noqa: E402
 from horovod_adtopk.compressors.base import FiberCodec  # noqa: E402
-from horovod_adtopk.selection import fiber_bases  # noqa: E402
+from horovod_adtopk import wire  # noqa: E402
+from horovod_adtopk.sparsify import aggregate_blocks  # noqa: E402
 
 import common  # noqa: E402  (benchmarks/common.py: the script's directory is on the path)
 
@@ -145,7 +147,8 @@ def buckets_of(shapes, ratio, bucket_bytes, min_numel=MIN_NUMEL, elem=4):
 
 
 class Bucket:
-    """One bucket's buffers (gradient, residual, averaged gradient) and both paths over them."""
+    """One bucket's buffers (gradient, residual, averaged gradient, 8 ranks' gathered payloads) and both paths
+    over them."""
 
     def __init__(self, tensors, device, impl, gen):
         self.layouts = [lay for _, _, lay in tensors]
@@ -158,38 +161,34 @@ class Bucket:
         self.res = (0.1 * torch.randn(n, generator=gen)).to(device)
         self.avg = torch.empty(n, device=device)
         specs = [bs.FiberSpec(lay.rows, lay.cols, lay.axis, lay.k) for lay in self.layouts]
-        self.plan = bs.plan(specs, self.offsets, dtype=torch.float32, device=device, impl=impl)
-        # flat position (in the bucket) of every payload entry = base + local * stride: built once per layout
-        base, stride = [], []
-        for lay, off in zip(self.layouts, self.offsets):
-            base.append(fiber_bases(lay, torch.device("cpu")) + off)
-            stride.append(torch.full((lay.count,), 1 if lay.axis == 1 else lay.cols, dtype=torch.int64))
-        self.base, self.stride = torch.cat(base).to(device), torch.cat(stride).to(device)
+        self.plan = bs.plan(specs, self.offsets, dtype=torch.float32, device=device, impl=impl,
+                            wire_dtype=torch.float32)
+        # what an allgather of 8 ranks' wire buffers delivers (filled with this rank's for the checks)
+        self.rows = torch.zeros(RANKS, self.plan.wire_bytes, dtype=torch.uint8, device=device)
         self.codecs = [FiberCodec(lay) for lay in self.layouts]
         self.count = self.plan.total
 
-    def bucket_path(self):
-        values, local = bs.select(self.res, self.plan, self.grad, zero_sent=True)
-        flat = torch.addcmul(self.base, local, self.stride)
-        vals = values * (1.0 / RANKS)
-        self.avg.zero_()
-        for _ in range(RANKS):  # rank by rank, as sparsify.sum_in_rank_order on CUDA
-            self.avg.index_add_(0, flat, vals)
-        return values, local
+    def bucket_path(self, fill=False):
+        """Selection and packing of the whole bucket, then the decode of 8 ranks' payloads into the average."""
+        r = bs.select(self.res, self.plan, self.grad, zero_sent=True)
+        if fill:
+            self.rows.copy_(r.wire.expand(RANKS, -1))
+        bs.decode(self.plan, self.rows, self.avg, 1.0 / RANKS)
+        return r
 
     def per_layer_path(self):
+        """Today's per-tensor path (the engines without the bucket selection): select, pack, and per tensor the
+        concatenation of the ranks' blocks and their rank-by-rank sum (``sparsify.aggregate_blocks``)."""
         out = []
         for lay, off, codec in zip(self.layouts, self.offsets, self.codecs):
             n = lay.rows * lay.cols
             v, loc = kernels.adtopk_select(self.res[off:off + n], lay.rows, lay.cols, lay.axis, lay.k,
                                            self.grad[off:off + n], True)
-            flat = codec.to_flat(loc.reshape(-1))
-            vals = v.reshape(-1) * (1.0 / RANKS)
-            dense = self.avg[off:off + n]
-            dense.zero_()
-            for _ in range(RANKS):
-                dense.index_add_(0, flat, vals)
-            out.append((v, loc))
+            block = wire.pack(v.reshape(-1), loc.reshape(-1), torch.float32, codec.index_dtype)
+            gathered = torch.cat([block] * RANKS)
+            aggregate_blocks(self.avg[off:off + n], gathered, [lay.count] * RANKS, codec, torch.float32,
+                             1.0 / RANKS)
+            out.append(block)
         return out
 
 
@@ -249,14 +248,14 @@ def bucket_stage(args, device):
         buckets = [Bucket(t, device, impl, gen) for t in groups]
         # correctness: both paths from the same state, bit for bit
         saved = [(b.res.clone(), b.grad.clone()) for b in buckets]
-        got = [(b.bucket_path(), b.res.clone(), b.avg.clone()) for b in buckets]
+        got = [(b.bucket_path(fill=True), b.res.clone(), b.avg.clone()) for b in buckets]
         for b, (r, g) in zip(buckets, saved):
             b.res.copy_(r)
         equal = True
-        for b, ((values, local), res, avg) in zip(buckets, got):
+        for b, (r, res, avg) in zip(buckets, got):
             per = b.per_layer_path()
-            for (v, loc), (vv, ll) in zip(per, bs.split(b.plan, values, local)):
-                equal &= torch.equal(_bits(v.reshape(vv.shape)), _bits(vv)) and torch.equal(loc.reshape(ll.shape), ll)
+            for block, mine in zip(per, bs.split_wire(b.plan, r)):
+                equal &= torch.equal(block, mine[4])  # the packed blocks (fp32 wire), byte for byte
             equal &= torch.equal(_bits(res), _bits(b.res)) and torch.equal(_bits(avg), _bits(b.avg))
         ok &= equal
         # the minimum-traffic pass over the same buffers
@@ -291,7 +290,7 @@ def bucket_stage(args, device):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         numel = sum(b.n for b in buckets)
-        moved = sum(4 * 4 * b.n + 12 * b.count for b in buckets)
+        moved = sum(4 * 4 * b.n + 12 * b.count for b in buckets)  # the copy kernel writes int64 positions
         results[name] = {
             "tensors": sum(len(g) for g in groups), "numel": numel, "buckets": len(buckets),
             "payload_entries": sum(b.count for b in buckets),

@@ -225,7 +225,7 @@ class SparseSender:
         self.op, self.sum_op, self.op_is_average = op, sum_op, op_is_average
         self.prescale, self.postscale = prescale, postscale
         self.sparsifier = Sparsifier(compression, memory, prescale)  # error feedback around selection
-        self.nonfinite: List[tuple] = self.sparsifier.nonfinite  # (name, 0-d bool: every sent value finite)
+        self.nonfinite: List[tuple] = self.sparsifier.nonfinite  # (name, 0-d bool: every sent value finite, scrubbed)
         self.profile = None  # a PartialSparsification while it profiles
         self.overlap = None  # a horovod_adtopk.overlap.Overlap: selection off the hook's thread
         # the owner-sharded exchange: each sharded tensor's plan (horovod_adtopk.paths), this rank's owner residuals

@@ -67,7 +67,7 @@ class LowRankExchange:
         q_local = self.matrix.t() @ p_matrix
         if self.keep_error:  # e_i = M_i - P Q_i^T, written into the memory tensor M_i itself
             self.matrix.sub_(p_matrix @ q_local.t())
-            sender.nonfinite.append((self.info.name, torch.isfinite(q_local).all()))
+            sender.nonfinite.append((self.info.name, torch.isfinite(q_local).all(), False))
         self.p_matrix = p_matrix
         self.handle = sender.comm.allreduce_async_(q_local, f"hat.psgd.q.{self.info.name}", sender.op,
                                                    sender.prescale, sender.postscale)

@@ -141,6 +141,8 @@ class SparseGather(Kind):
 
     def encode(self, item: Item) -> torch.Tensor:
         s = item.data
+        if s.block is not None and s.wire_values.dtype == self.value_dtype(item.info):
+            return s.block  # packed by the selection (bucket select)
         return pack(s.wire_values, s.wire_index, self.value_dtype(item.info), s.codec.index_dtype)
 
     def entries(self, item: Item) -> int:

@@ -39,7 +39,8 @@ class Sparsifier:
 
     def __init__(self, compression: SparseCompressor, memory: Optional[ErrorFeedback], prescale: float = 1.0) -> None:
         self.compression, self.memory, self.prescale = compression, memory, prescale
-        self.nonfinite: List[tuple] = []  # (name, 0-d bool tensor: every sent value finite)
+        self.nonfinite: List[tuple] = []  # (name, 0-d bool tensor: every sent value finite, memory scrubbed already)
+        self._pending: List[tuple] = []  # (host flags, CUDA event): flags of scrubbed memory, copied without waiting
         self._warned_overflow = False
         self._flats: Dict[Tuple[str, ...], torch.Tensor] = {}  # select_bucket's residual buffers
 
@@ -76,7 +77,10 @@ class Sparsifier:
         DDP's bucket buffer; every ``info`` one that :meth:`batches`), bit for bit the same selections,
         residuals and wire values: their residuals become views of one buffer per group (kept from step to
         step; a residual replaced elsewhere is copied back in), then :func:`horovod_adtopk.bucket_select.select`
-        adds, selects and zeroes them all (on CUDA in a few launches; ``impl`` as there)."""
+        adds, selects and zeroes them all (on CUDA in a few launches; ``impl`` as there). Where the values travel
+        unscaled (no prescale) and need no float16 clamping, the selection also packs each tensor's wire block
+        (``Selection.block``, bit for bit ``wire.pack``'s; indices travel as the narrow ``wire_index``) and
+        leaves in the memory what a rounding wire did not carry, so nothing runs per tensor after it."""
         from . import bucket_select
 
         c, memory = self.compression, self.memory
@@ -85,17 +89,29 @@ class Sparsifier:
         for i, (grad, info) in enumerate(items):
             wire_dtype = c.wire_value_dtype(info.dtype)
             exact_wire = wire_dtype == info.dtype and self.prescale == 1.0
-            groups.setdefault((grad.dtype, exact_wire), []).append(i)
+            groups.setdefault((grad.dtype, wire_dtype, exact_wire), []).append(i)
         size = buffer.element_size()
-        for (dtype, exact_wire), idx in groups.items():
+        for (dtype, wire_dtype, exact_wire), idx in groups.items():
             names = tuple(items[i][1].name for i in idx)
             codecs = [c.codec(items[i][1], step) for i in idx]
             specs = [bucket_select.FiberSpec(cd.layout.rows, cd.layout.cols, cd.layout.axis, cd.layout.k)
                      for cd in codecs]
             g_offsets = [(items[i][0].data_ptr() - buffer.data_ptr()) // size for i in idx]
             flat, a_offsets = self._flat_residuals(names, [items[i][0] for i in idx])
-            p = bucket_select.plan(specs, a_offsets, g_offsets, dtype=dtype, device=buffer.device, impl=impl)
+            # The wire packed by the selection itself: unscaled values, and no float16 clamping to report.
+            packed = self.prescale == 1.0 and not (wire_dtype == torch.float16 and dtype != torch.float16)
+            p = bucket_select.plan(specs, a_offsets, g_offsets, dtype=dtype, device=buffer.device, impl=impl,
+                                   wire_dtype=wire_dtype if packed else None)
             hints = [cd.hint(flat) for cd in codecs] if p.fused == [] else None
+            if packed:
+                r = bucket_select.select(flat, p, buffer, zero_sent=True, hints=hints)
+                for j, (i, cd, (v, pos, wv, wi, block, finite)) in enumerate(zip(idx, codecs,
+                                                                              bucket_select.split_wire(p, r))):
+                    s = Selection(v.reshape(-1), pos, wi, cd, finite=finite, wire_values=wv, block=block,
+                                  packed=(p, j))
+                    self.nonfinite.append((items[i][1].name, finite, True))
+                    out[i] = s
+                continue
             values, local = bucket_select.select(flat, p, buffer, zero_sent=exact_wire, hints=hints)
             for j, (i, cd, (v, loc)) in enumerate(zip(idx, codecs, bucket_select.split(p, values, local))):
                 s = Selection(v.reshape(-1), cd.to_flat(loc), loc.reshape(-1), cd)
@@ -150,7 +166,7 @@ class Sparsifier:
                 memory.update(info.name, s.flat, remainder)
             elif memory.momentum is not None:
                 memory.update(info.name, s.flat, torch.zeros_like(s.values))
-            self.nonfinite.append((info.name, s.finite))
+            self.nonfinite.append((info.name, s.finite, False))
         return s
 
     def _clamp_fp16(self, values: torch.Tensor, name: str) -> torch.Tensor:
@@ -167,16 +183,47 @@ class Sparsifier:
 
     def scrub_nonfinite(self) -> int:
         """Zero NaN/Inf left in the memory of tensors that sent a non-finite value this round; returns how
-        many tensors had one."""
-        if not self.nonfinite:
-            return 0
-        names = [n for n, _ in self.nonfinite]
-        finite = torch.stack([f.to("cpu") for _, f in self.nonfinite]).tolist()
-        self.nonfinite.clear()
-        bad = [n for n, ok in zip(names, finite) if not ok]
-        for n in bad:
-            self.memory.scrub(n)
-        return len(bad)
+        many tensors had one.
+
+        One device-to-host copy per device reads the flags. Flags of tensors whose selection scrubbed their
+        memory itself (the bucket selection's packed path) are only counted: on CUDA they are copied without
+        waiting and counted at a later call, once the copy is done (a round late at most, as a rule), so the
+        round ends with no host synchronisation."""
+        entries = list(self.nonfinite)
+        self.nonfinite.clear()  # in place: the Horovod engine's sender shares the list
+        bad = 0
+        now = [(n, f) for n, f, scrubbed in entries if not (scrubbed and f.device.type == "cuda")]
+        later = [(n, f) for n, f, scrubbed in entries if scrubbed and f.device.type == "cuda"]
+        for names, flags in _by_device(now):
+            finite = torch.stack([f.to(torch.bool) for f in flags]).cpu().tolist()
+            for n, ok in zip(names, finite):
+                if not ok:
+                    self.memory.scrub(n)
+                    bad += 1
+        for names, flags in _by_device(later):
+            host = torch.empty(len(flags), dtype=torch.bool, pin_memory=True)
+            host.copy_(torch.stack([f.to(torch.bool) for f in flags]), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags[0].device))
+            self._pending.append((host, event))
+        waiting = []
+        for host, event in self._pending:
+            if event.query():
+                bad += sum(not ok for ok in host.tolist())
+            else:
+                waiting.append((host, event))
+        self._pending = waiting
+        return bad
+
+
+def _by_device(entries):
+    """``[(name, flag)]`` grouped by the flags' device: ``[(names, flags)]``."""
+    groups: dict = {}
+    for n, f in entries:
+        names, flags = groups.setdefault(f.device, ([], []))
+        names.append(n)
+        flags.append(f)
+    return list(groups.values())
 
 
 def dense_contribution(memory: Optional[ErrorFeedback], name: str, grad: torch.Tensor, on_sparse_path: bool):

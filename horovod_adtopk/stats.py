@@ -55,6 +55,7 @@ class Stats:
     compress_seconds: float = 0.0
     decompress_seconds: float = 0.0
     nonfinite_steps: int = 0
+    bucket_decodes: int = 0  # DDP buckets whose sparse payload was decoded at once (bucket_select.decode)
     tensors: Dict[str, TensorStats] = field(default_factory=dict)
 
     def set_path(self, name: str, numel: int, sparse: bool, reason: str, path: Optional[str] = None,
@@ -122,6 +123,7 @@ class Stats:
             "compress_seconds": self.compress_seconds,
             "decompress_seconds": self.decompress_seconds,
             "nonfinite_steps": self.nonfinite_steps,
+            "bucket_decodes": self.bucket_decodes,
             "tensors": {name: {"path": t.path, "reason": t.reason, "selection": t.selection, "numel": t.numel,
                                "density": t.density,
                                "bytes_sent": t.bytes_sent, "wire_bytes_sent": t.wire_bytes_sent,

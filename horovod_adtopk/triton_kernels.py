@@ -51,7 +51,9 @@ Kernels
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -65,7 +67,8 @@ except Exception as exc:  # pragma: no cover - exercised only where Triton is ab
     tl = None
     _IMPORT_ERROR = exc
 
-__all__ = ["available", "interpreted", "adtopk_select", "bucket_adtopk_select", "bucket_table", "fused_config", "topk_select", "threshold_select",
+__all__ = ["available", "interpreted", "adtopk_select", "bucket_adtopk_select", "bucket_table", "bucket_decode",
+           "decode_tables", "fused_config", "topk_select", "threshold_select",
            "fiber_threshold_select", "count_at_least"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -90,6 +93,9 @@ def interpreted() -> bool:
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+#: The interpreter runs a launch on global state: launches from two threads (the DDP hook selecting the next
+#: bucket while a future's callback decodes the last) are serialised under it. Compiled launches need no lock.
+_INTERPRETER_LOCK = threading.RLock() if _INTERPRETED else contextlib.nullcontext()
 
 
 def _check(a: torch.Tensor, name: str = "a") -> None:
@@ -131,23 +137,50 @@ if triton is not None:
         return tl.minimum(_rawkey(x, KW), INF)
 
     @triton.jit
+    def _round_bf16(s):
+        """float32 ``s`` rounded to bfloat16 (to nearest, ties to even; NaN stays NaN) on the bits: what the GPU's
+        conversion does and what the Triton interpreter's conversion (truncating) does not."""
+        bits = s.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        r = ((mag + 0x7FFF + ((mag >> 16) & 1)) >> 16) | ((bits >> 16) & 0x8000)
+        r = tl.where(mag > 0x7F800000, 0x7FC0, r)  # NaN: torch's one bfloat16 NaN, whatever the sign
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
     def _add(x, g):
         """``x + g`` rounded once to ``x``'s dtype. 16-bit floats add in float32, which is exact before that
-        one rounding (24 >= 2 * 11 + 2 bits, so no double-rounding error), as torch does it. The float32 ->
-        bfloat16 rounding (to nearest, ties to even; NaN stays NaN) is done on the bits, which is what the
-        GPU's conversion does and what the Triton interpreter's conversion (truncating) does not."""
+        one rounding (24 >= 2 * 11 + 2 bits, so no double-rounding error), as torch does it (bfloat16 through
+        :func:`_round_bf16`)."""
         if x.dtype == tl.bfloat16:
-            s = x.to(tl.float32) + g.to(tl.float32)
-            bits = s.to(tl.int32, bitcast=True)
-            mag = bits & 0x7FFFFFFF
-            r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
-            r = tl.where(mag > 0x7F800000, 0x7FC0, r)  # NaN
-            r = r | ((bits >> 16) & 0x8000)
-            return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            return _round_bf16(x.to(tl.float32) + g.to(tl.float32))
         elif x.dtype == tl.float16:
             return (x.to(tl.float32) + g.to(tl.float32)).to(tl.float16)
         else:
             return x + g
+
+    @triton.jit
+    def _wire_cast(x, WT: tl.constexpr):
+        """``x`` as the wire dtype ``WT``, as torch's ``.to`` rounds it (to nearest even; float64 and float16 go
+        to bfloat16 through float32, as torch converts them)."""
+        if WT == tl.bfloat16:
+            if x.dtype == tl.bfloat16:
+                return x
+            return _round_bf16(x.to(tl.float32))
+        else:
+            return x.to(WT)
+
+    @triton.jit
+    def _remainder(x, WT: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr):
+        """What the wire does not carry of ``x``: ``x - x.to(WT).to(x.dtype)`` with NaN and +-Inf as 0 (the
+        memory's ``update`` after a rounding wire)."""
+        back = _wire_cast(x, WT).to(x.dtype)
+        if x.dtype == tl.bfloat16:  # rounded once, as _add (the interpreter cannot negate a bfloat16 tensor)
+            r = _round_bf16(x.to(tl.float32) - back.to(tl.float32))
+        elif x.dtype == tl.float16:
+            r = (x.to(tl.float32) - back.to(tl.float32)).to(tl.float16)
+        else:
+            r = x - back
+        return tl.where(_rawkey(r, KW) < INF, r, 0.0).to(x.dtype)
 
     @triton.jit
     def _rawkey(x, KW: tl.constexpr):
@@ -198,19 +231,22 @@ if triton is not None:
                            EARLY: tl.constexpr):
         pid = tl.program_id(0)
         fib = (pid * FB + tl.arange(0, FB)).to(tl.int64)
-        _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, fib, fib < n_fibers, L, cols, k, AXIS, HAS_GRAD, ZERO, FB,
-                       BLOCK, ONE_PASS, RB, KEY_BITS, KW, INF, EARLY)
+        _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, val_ptr, idx_ptr, idx_ptr, fib, fib < n_fibers, L, cols, k,
+                       AXIS, HAS_GRAD, ZERO, False, False, tl.float32, FB, BLOCK, ONE_PASS, RB, KEY_BITS, KW, INF,
+                       EARLY)
 
     @triton.jit
-    def _bucket_topk_kernel(a_ptr, g_ptr, val_ptr, idx_ptr, tab_ptr,
+    def _bucket_topk_kernel(a_ptr, g_ptr, val_ptr, idx_ptr, wv_ptr, wi_ptr, flag_ptr, tab_ptr,
                             AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
+                            WIRE: tl.constexpr, REM: tl.constexpr, WT: tl.constexpr,
                             FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                             RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr,
                             EARLY: tl.constexpr):
         """Fibers of several tensors in one launch: program ``pid`` reads its row of the fiber table
         (``TABLE_COLUMNS`` int64: offsets of the tensor in ``a`` / ``grad`` / the outputs, its first fiber,
-        fiber count, fiber length, ``cols`` and ``k``) and selects like ``_fiber_topk_kernel`` on that tensor."""
-        row = tab_ptr + tl.program_id(0).to(tl.int64) * 8
+        fiber count, fiber length, ``cols``, ``k``, and for the wire its value and index offsets in the wire
+        buffer (in elements of each view) and its flag) and selects like ``_fiber_topk_kernel`` on that tensor."""
+        row = tab_ptr + tl.program_id(0).to(tl.int64) * 11
         a_off = tl.load(row)
         g_off = tl.load(row + 1)
         out_off = tl.load(row + 2)
@@ -220,16 +256,33 @@ if triton is not None:
         cols = tl.load(row + 6).to(tl.int32)
         k = tl.load(row + 7).to(tl.int32)
         fib = first + tl.arange(0, FB).to(tl.int64)
-        _select_fibers(a_ptr + a_off, g_ptr + g_off, val_ptr + out_off, idx_ptr + out_off, fib, fib < n_fibers,
-                       L, cols, k, AXIS, HAS_GRAD, ZERO, FB, BLOCK, ONE_PASS, RB, KEY_BITS, KW, INF, EARLY)
+        if WIRE:
+            wv = wv_ptr + tl.load(row + 8)
+            wi = wi_ptr + tl.load(row + 9)
+            fl = flag_ptr + tl.load(row + 10)
+        else:
+            wv, wi, fl = wv_ptr, wi_ptr, flag_ptr
+        _select_fibers(a_ptr + a_off, g_ptr + g_off, val_ptr + out_off, idx_ptr + out_off, wv, wi, fl, fib,
+                       fib < n_fibers, L, cols, k, AXIS, HAS_GRAD, ZERO, WIRE, REM, WT, FB, BLOCK, ONE_PASS, RB,
+                       KEY_BITS, KW, INF, EARLY)
 
     @triton.jit
-    def _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, fib, fmask, L, cols, k,
+    def _select_fibers(a_ptr, g_ptr, val_ptr, idx_ptr, wv_ptr, wi_ptr, flag_ptr, fib, fmask, L, cols, k,
                        AXIS: tl.constexpr, HAS_GRAD: tl.constexpr, ZERO: tl.constexpr,
-                       FB: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                       WIRE: tl.constexpr, REM: tl.constexpr, WT: tl.constexpr, FB: tl.constexpr,
+                       BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
                        RB: tl.constexpr, KEY_BITS: tl.constexpr, KW: tl.constexpr, INF: tl.constexpr,
                        EARLY: tl.constexpr):
-        """Top-k of the fibers ``fib`` (masked by ``fmask``) of one tensor: the body of both fiber kernels."""
+        """Top-k of the fibers ``fib`` (masked by ``fmask``) of one tensor: the body of both fiber kernels.
+
+        Writes each fiber's values (``val``) and positions (``idx``: fiber-local, or with ``WIRE`` the flat
+        positions in the tensor) at ``fib * k``. With ``WIRE`` also the wire's values (cast to ``WT``, at
+        ``wv``) and fiber-local indices (``wi``'s integer type), and a 1 into ``flag`` when a sent value is
+        NaN or +-Inf. ``ZERO`` zeroes the sent entries of ``a``; with ``REM`` they keep what the wire's
+        rounding did not carry (:func:`_remainder`). ``WIRE`` with ``ZERO`` also zeroes the NaN / +-Inf left
+        unsent (more than ``k`` in a fiber): the memory's scrub at the end of the round, which would zero them
+        anyway (non-finite keys rank above every finite one, so a fiber that leaves one unsent sent only
+        non-finite values, and its tensor is flagged), done where no host has to read the flag first."""
         # done[f]: exactly k keys of fiber f reach its prefix, so "key >= prefix" selects its top k. With
         # EARLY, the rounds stop once every fiber of the program is done (fibers past the end count as done).
         done = tl.where(fmask, 0, 1).to(tl.int32)
@@ -265,9 +318,19 @@ if triton is not None:
             pos = tl.cumsum(sel.to(tl.int32), axis=1) - 1
             out = fib[:, None] * k + pos
             tl.store(val_ptr + out, x, mask=sel)
-            tl.store(idx_ptr + out, (j[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)).to(tl.int64), mask=sel)
-            if ZERO:
-                tl.store(a_ptr + off, tl.where(sel, 0.0, x).to(x.dtype), mask=m)
+            jl = j[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)
+            if WIRE:
+                _store_wire(wv_ptr, wi_ptr, flag_ptr, idx_ptr, out, off, jl, x, key, sel, WT, INF)
+            else:
+                tl.store(idx_ptr + out, jl.to(tl.int64), mask=sel)
+            if WIRE and ZERO:  # the unsent NaN / Inf go too: the memory's scrub, done here (see _select_fibers)
+                kept = tl.where(key < INF, x, 0.0).to(x.dtype)
+            else:
+                kept = x
+            if REM:
+                tl.store(a_ptr + off, tl.where(sel, _remainder(x, WT, KW, INF), kept), mask=m)
+            elif ZERO:
+                tl.store(a_ptr + off, tl.where(sel, 0.0, kept).to(x.dtype), mask=m)
             elif HAS_GRAD:
                 tl.store(a_ptr + off, x, mask=m)
         else:
@@ -308,12 +371,70 @@ if triton is not None:
                 pos = out_seen[:, None] + tl.cumsum(sel_i, axis=1) - 1
                 out = fib[:, None] * k + pos
                 tl.store(val_ptr + out, x, mask=sel)
-                tl.store(idx_ptr + out, (jj[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)).to(tl.int64),
-                         mask=sel)
-                if ZERO:
+                jl = jj[None, :] + tl.zeros([FB, BLOCK], dtype=tl.int32)
+                if WIRE:
+                    _store_wire(wv_ptr, wi_ptr, flag_ptr, idx_ptr, out, off, jl, x, key, sel, WT, INF)
+                else:
+                    tl.store(idx_ptr + out, jl.to(tl.int64), mask=sel)
+                if REM:
+                    tl.store(a_ptr + off, _remainder(x, WT, KW, INF), mask=sel)
+                elif ZERO:
                     tl.store(a_ptr + off, tl.zeros([FB, BLOCK], dtype=x.dtype), mask=sel)
+                if WIRE and ZERO:  # the unsent NaN / Inf (the memory's scrub)
+                    tl.store(a_ptr + off, tl.zeros([FB, BLOCK], dtype=x.dtype), mask=m & (key >= INF) & (sel == 0))
                 eq_seen += tl.sum(eq.to(tl.int32), axis=1)
                 out_seen += tl.sum(sel_i, axis=1)
+
+    @triton.jit
+    def _store_wire(wv_ptr, wi_ptr, flag_ptr, idx_ptr, out, off, jl, x, key, sel, WT: tl.constexpr,
+                    INF: tl.constexpr):
+        """The wire's share of a tile's stores: flat positions, wire values and indices, the non-finite flag."""
+        tl.store(idx_ptr + out, off, mask=sel)
+        tl.store(wv_ptr + out, _wire_cast(x, WT), mask=sel)
+        tl.store(wi_ptr + out, jl.to(wi_ptr.dtype.element_ty), mask=sel)
+        bad = tl.max(tl.max((sel & (key >= INF)).to(tl.int32), axis=1), axis=0)
+        tl.atomic_max(flag_ptr, bad)
+
+    @triton.jit
+    def _bucket_decode_kernel(wv_ptr, wi_ptr, out_ptr, scale_ptr, tab_ptr, HAS_SCALE: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """One rank's packed blocks added into the dense outputs: program ``pid`` reads its row of the decode
+        table (the tensor's value and index offsets in the rank's row of the wire, its entry count, the first
+        entry of the program, its offset in ``out``, ``k``, the fiber axis and ``cols``) and adds
+        ``value.to(out) * scale`` at each entry's flat position (unique within a rank's block, so no atomics)."""
+        row = tab_ptr + tl.program_id(0).to(tl.int64) * 8
+        v_off = tl.load(row)
+        i_off = tl.load(row + 1)
+        count = tl.load(row + 2)
+        e = tl.load(row + 3) + tl.arange(0, BLOCK).to(tl.int64)
+        out_off = tl.load(row + 4)
+        k = tl.load(row + 5)
+        axis = tl.load(row + 6)
+        cols = tl.load(row + 7)
+        m = e < count
+        v = tl.load(wv_ptr + v_off + e, mask=m, other=0.0)
+        loc = tl.load(wi_ptr + i_off + e, mask=m, other=0).to(tl.int64)
+        fib = e // k
+        flat = tl.where(axis == 1, fib * cols + loc, loc * cols + fib)
+        OT: tl.constexpr = out_ptr.dtype.element_ty
+        x = _wire_cast(v, OT)
+        if HAS_SCALE:  # torch's ``x * scale``: in float32 for 16-bit floats (float64 for float64), rounded once
+            sc = tl.load(scale_ptr)
+            if OT == tl.bfloat16:
+                x = _round_bf16(x.to(tl.float32) * sc)
+            else:
+                x = (x.to(sc.dtype) * sc).to(OT)
+        cur = tl.load(out_ptr + out_off + flat, mask=m, other=0.0)
+        tl.store(out_ptr + out_off + flat, _add(cur, x), mask=m)
+
+    @triton.jit
+    def _zero_regions_kernel(out_ptr, tab_ptr, BLOCK: tl.constexpr):
+        """Zero ``out[offset + start : offset + min(start + BLOCK, numel)]`` for this program's row
+        (``offset, numel, start``)."""
+        row = tab_ptr + tl.program_id(0).to(tl.int64) * 3
+        j = tl.load(row + 2) + tl.arange(0, BLOCK).to(tl.int64)
+        tl.store(out_ptr + tl.load(row) + j, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty),
+                 mask=j < tl.load(row + 1))
 
     @triton.jit
     def _radix_count_kernel(a_ptr, g_ptr, hist_ptr, state_ptr, n, rnd,
@@ -504,15 +625,20 @@ def adtopk_select(a: torch.Tensor, rows: int, cols: int, axis: int, k: int, grad
         return values, local
     kw, key_bits, inf = _key_params(a.dtype, rb)
     grid = (triton.cdiv(n_fibers, fb),)
-    _fiber_topk_kernel[grid](a, grad if grad is not None else a, values, local, n_fibers, L, cols, k,
-                             AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
-                             ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
-                             num_warps=warps)
+    with _INTERPRETER_LOCK:
+        _fiber_topk_kernel[grid](a, grad if grad is not None else a, values, local, n_fibers, L, cols, k,
+                                 AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
+                                 ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
+                                 num_warps=warps)
     return values, local
 
 
 #: int64 columns of one row of a bucket's fiber table (one row per program of :func:`bucket_adtopk_select`).
-TABLE_COLUMNS = 8
+TABLE_COLUMNS = 11
+
+#: torch dtype -> Triton dtype of the wire values.
+_TL_DTYPES = {} if triton is None else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                                        torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def fused_config(rows: int, cols: int, axis: int):
@@ -527,16 +653,19 @@ def fused_config(rows: int, cols: int, axis: int):
 
 def bucket_table(entries):
     """Host-side fiber table of several tensors: ``entries`` are ``(config, a_off, g_off, out_off, rows, cols,
-    axis, k)`` with ``config`` from :func:`fused_config`. Returns ``(rows, groups)``: the table's rows (lists of
-    ``TABLE_COLUMNS`` ints, one per program, grouped by configuration) and ``groups``, ``(config, first_row,
-    n_rows)`` per launch. Shapes only: nothing is read from a device."""
+    axis, k)`` with ``config`` from :func:`fused_config`, optionally followed by the wire's ``(index_dtype,
+    value_off, index_off, flag)`` (the tensor's index dtype, its offsets in the wire buffer viewed as the value
+    dtype and as the index dtype, its flag's position). Returns ``(rows, groups)``: the table's rows (lists of
+    ``TABLE_COLUMNS`` ints, one per program, grouped by launch) and ``groups``, ``(config, first_row, n_rows)``
+    per launch, ``config`` extended by the index dtype where given. Shapes only: nothing is read from a device."""
     by_config = {}
-    for config, a_off, g_off, out_off, rows, cols, axis, k in entries:
+    for config, a_off, g_off, out_off, rows, cols, axis, k, *wire in entries:
         n_fibers, L = (rows, cols) if axis == 1 else (cols, rows)
         fb = config[1]
-        progs = by_config.setdefault(config, [])
+        idt, wv_off, wi_off, flag = wire if wire else (None, 0, 0, 0)
+        progs = by_config.setdefault(config + ((idt,) if wire else ()), [])
         for first in range(0, n_fibers, fb):
-            progs.append([a_off, g_off, out_off, first, n_fibers, L, cols, k])
+            progs.append([a_off, g_off, out_off, first, n_fibers, L, cols, k, wv_off, wi_off, flag])
     table, groups = [], []
     for config, progs in by_config.items():
         groups.append((config, len(table), len(progs)))
@@ -545,13 +674,21 @@ def bucket_table(entries):
 
 
 def bucket_adtopk_select(a: torch.Tensor, grad: Optional[torch.Tensor], values: torch.Tensor, local: torch.Tensor,
-                         table: torch.Tensor, groups, zero_sent: bool = False) -> None:
+                         table: torch.Tensor, groups, zero_sent: bool = False, wire: Optional[torch.Tensor] = None,
+                         wire_dtype: Optional[torch.dtype] = None, flags: Optional[torch.Tensor] = None,
+                         remainder: bool = False) -> None:
     """Per-fiber top-k of several tensors held in the 1-D buffer ``a`` (each at its offset), one launch per
     configuration group of the fiber table (:func:`bucket_table`, uploaded to ``a``'s device as int64
     ``[n, TABLE_COLUMNS]``). ``grad`` (1-D, ``a``'s dtype; offsets from the table) is added into ``a`` first;
     ``zero_sent`` zeroes what was selected. Writes each tensor's ``values`` and fiber-local positions
     (``local``, int64) at its output offset, ``[num_fibers, k]`` fiber-major: what :func:`adtopk_select` returns
-    for that tensor, bit for bit. No host synchronisation."""
+    for that tensor, bit for bit. No host synchronisation.
+
+    With a ``wire`` (a ``uint8`` buffer; the groups' configs end with their index dtype): ``local`` receives
+    the flat positions in each tensor instead, and each tensor's wire values (``wire_dtype``) and fiber-local
+    indices are written into ``wire`` at the table's offsets; ``flags`` (int32, zeros) get a 1 for a tensor that
+    sends a NaN or +-Inf. ``remainder`` (with ``zero_sent``): the sent entries keep what the wire's rounding
+    does not carry instead of 0."""
     _check(a)
     if grad is not None:
         _check(grad, "grad")
@@ -559,14 +696,67 @@ def bucket_adtopk_select(a: torch.Tensor, grad: Optional[torch.Tensor], values: 
             raise ValueError("grad must have a's dtype and device")
     if values.dtype != a.dtype or local.dtype != torch.int64:
         raise ValueError("values must have a's dtype and local must be int64")
+    if wire is not None and (wire.dtype != torch.uint8 or wire_dtype not in _TL_DTYPES or flags is None
+                             or flags.dtype != torch.int32):
+        raise ValueError("a wire needs a uint8 buffer, a float wire_dtype and int32 flags")
     for config, first, n in groups:
-        axis, fb, block, one_pass, rb, warps = config
+        axis, fb, block, one_pass, rb, warps = config[:6]
         kw, key_bits, inf = _key_params(a.dtype, rb)
         tab = table[first:first + n]
-        _bucket_topk_kernel[(n,)](a, grad if grad is not None else a, values, local, tab,
-                                  AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent), FB=fb, BLOCK=block,
-                                  ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf, EARLY=EARLY_EXIT,
-                                  num_warps=warps)
+        if wire is not None:
+            wv, wi, fl, wt = wire.view(wire_dtype), wire.view(config[6]), flags, _TL_DTYPES[wire_dtype]
+        else:
+            wv, wi, fl, wt = values, local, local, tl.float32
+        with _INTERPRETER_LOCK:
+            _bucket_topk_kernel[(n,)](a, grad if grad is not None else a, values, local, wv, wi, fl, tab,
+                                      AXIS=axis, HAS_GRAD=grad is not None, ZERO=bool(zero_sent),
+                                      WIRE=wire is not None, REM=bool(zero_sent and remainder), WT=wt, FB=fb,
+                                      BLOCK=block, ONE_PASS=one_pass, RB=rb, KEY_BITS=key_bits, KW=kw, INF=inf,
+                                      EARLY=EARLY_EXIT, num_warps=warps)
+
+
+#: Entries per program of the bucket decode, elements per program of its zeroing.
+DECODE_BLOCK = 1024
+
+
+def decode_tables(entries, out_numels):
+    """Host-side tables of :func:`bucket_decode`: ``entries`` are ``(index_dtype, value_off, index_off, count,
+    out_off, k, axis, cols)`` per tensor (wire offsets in elements of the value and index views of a rank's row);
+    ``out_numels`` the tensors' sizes in ``out``. Returns ``(rows, groups, zero_rows)``: the decode rows (8 ints
+    per program) grouped by index dtype, ``(index_dtype, first_row, n_rows)`` per launch, and the zeroing rows."""
+    by_dtype = {}
+    for idt, v_off, i_off, count, out_off, k, axis, cols in entries:
+        progs = by_dtype.setdefault(idt, [])
+        for start in range(0, count, DECODE_BLOCK):
+            progs.append([v_off, i_off, count, start, out_off, k, axis, cols])
+    rows, groups = [], []
+    for idt, progs in by_dtype.items():
+        groups.append((idt, len(rows), len(progs)))
+        rows.extend(progs)
+    zero_rows = [[e[4], n, start] for e, n in zip(entries, out_numels) for start in range(0, n, DECODE_BLOCK)]
+    return rows, groups, zero_rows
+
+
+def bucket_decode(rows: torch.Tensor, wire_dtype: torch.dtype, out: torch.Tensor, table: torch.Tensor, groups,
+                  zero_table: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+    """Every rank's packed blocks of a bucket summed into ``out``: ``rows`` (``uint8 [world, row_bytes]``, a row
+    per rank, each laid out as the tables say) decoded rank after rank, each entry ``value.to(out.dtype) * scale``
+    added at its flat position; the tensors' regions of ``out`` are zeroed first. Bit for bit what one
+    ``index_add_`` per rank and tensor into zeros gives (``sparsify.sum_in_rank_order``). ``scale``: a one-element
+    tensor (float64 for float64 ``out``, else float32) or None. One launch for the zeroing and one per rank and
+    index dtype; no host synchronisation."""
+    _check(out, "out")
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or not rows.is_contiguous():
+        raise ValueError("rows must be a contiguous uint8 [world, row_bytes] tensor")
+    with _INTERPRETER_LOCK:
+        if zero_table.numel():
+            _zero_regions_kernel[(zero_table.shape[0],)](out, zero_table, BLOCK=DECODE_BLOCK)
+        for r in range(rows.shape[0]):
+            row = rows[r]
+            for idt, first, n in groups:
+                _bucket_decode_kernel[(n,)](row.view(wire_dtype), row.view(idt), out,
+                                            scale if scale is not None else out, table[first:first + n],
+                                            HAS_SCALE=scale is not None, BLOCK=DECODE_BLOCK)
 
 
 def _flat_select(a: torch.Tensor, mode: int, t: Optional[torch.Tensor], hist: Optional[torch.Tensor], k: int,

@@ -111,3 +111,19 @@ def unpack(gathered: torch.Tensor, counts: Sequence[int], value_dtype: torch.dty
 def payload_bytes(payload: torch.Tensor) -> int:
     """Bytes this rank puts on the wire for a payload (the only byte count the package uses)."""
     return payload.numel() * payload.element_size()
+
+
+def join(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 1-D ``uint8`` blocks back to back in one tensor: a view when they already lie back to back in one
+    buffer (a bucket selection packs them so), else a concatenated copy."""
+    if not blocks:
+        raise ValueError("no blocks to join")
+    first = blocks[0]
+    storage, end = first.untyped_storage(), first.data_ptr() + first.numel()
+    for b in blocks[1:]:
+        if b.untyped_storage().data_ptr() != storage.data_ptr() or b.data_ptr() != end or not b.is_contiguous():
+            return torch.cat(list(blocks))
+        end += b.numel()
+    if not first.is_contiguous():
+        return torch.cat(list(blocks))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (end - first.data_ptr(),))

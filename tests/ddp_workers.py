@@ -91,7 +91,8 @@ def reference_cases(args, outdir):
         st = state.stats()
         tensors = {_short(case, n): v for n, v in st["tensors"].items()}
         summary.append({"paths": {n: v["path"] for n, v in tensors.items()}, "round": st["round"],
-                        "bytes_sent": st["bytes_sent"], "elements_sent": st["elements_sent"], "tensors": tensors})
+                        "bytes_sent": st["bytes_sent"], "elements_sent": st["elements_sent"], "tensors": tensors,
+                        "bucket_decodes": st["bucket_decodes"]})
     return summary
 
 

@@ -168,6 +168,169 @@ def test_bucket_loop_fallback_is_the_per_tensor_path(dtype):
         assert p.fused == [] and p.launches == 0 and p.table is None
 
 
+def _same_block(got: torch.Tensor, want: torch.Tensor, n: int, value_dtype: torch.dtype) -> bool:
+    """Two wire blocks of ``n`` entries: the same bytes, except that a NaN may have another bit pattern (torch's
+    own conversions to bfloat16 give different NaN payloads on different CPUs and on the GPU)."""
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape:
+        return False
+    vb = n * torch.empty((), dtype=value_dtype).element_size()
+    gv, wv = got[:vb].view(value_dtype), want[:vb].view(value_dtype)
+    nan = torch.isnan(gv) & torch.isnan(wv)
+    same_values = bool(((gv.view(_INT[value_dtype]) == wv.view(_INT[value_dtype])) | nan).all())
+    return same_values and torch.equal(got[vb:], want[vb:])
+
+
+def _check_wire(specs, dtype, wire_dtype, seed, impl="triton", ties=False, gap=0):
+    """The plan with a wire: every tensor's block bit for bit wire.pack of the per-tensor path's selection, the
+    flat positions, the finiteness flags, and the residual (zeroed where sent, or keeping the rounding of a
+    narrower wire) bit for bit the per-tensor path's followed by the memory's update."""
+    from horovod_adtopk import wire
+
+    a_off, n_a = _offsets(specs)
+    g_off, n_g = _offsets(specs, gap)
+    a = _data(n_a, dtype, seed, ties, nonfinite=True).to(DEVICE)
+    assert specs[0].axis == 1  # its first fiber: all NaN / Inf, more than k of them, so some stay unsent
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    a[a_off[0]:a_off[0] + specs[0].fiber_len] = specials[torch.arange(specs[0].fiber_len) % 3].to(DEVICE)
+    g = _data(n_g, dtype, seed + 1, ties, False).to(DEVICE)
+    want_a = a.clone()
+    p = bs.plan(specs, a_off, g_off, dtype=dtype, device=DEVICE, impl=impl, wire_dtype=wire_dtype)
+    r = bs.select(a, p, g, zero_sent=True)
+    assert isinstance(r, bs.BucketWire) and r.wire.dtype == torch.uint8 and r.wire.numel() == p.wire_bytes
+    exact = wire_dtype == dtype
+    saw_nonfinite = False
+    for i, (s, got) in enumerate(zip(specs, bs.split_wire(p, r))):
+        v, flat, wv, wi, block, finite = got
+        sa = slice(a_off[i], a_off[i] + s.numel)
+        v2, l2 = kernels.adtopk_select(want_a[sa], s.rows, s.cols, s.axis, s.k, g[g_off[i]:g_off[i] + s.numel],
+                                       exact)
+        assert torch.equal(_bits(v), _bits(v2)), f"tensor {i}: values"
+        idt = wire.index_dtype_for(s.fiber_len - 1)
+        fib = torch.arange(s.num_fibers).view(-1, 1)
+        l2 = l2.cpu()
+        flat2 = (fib * s.cols + l2) if s.axis == 1 else (l2 * s.cols + fib)
+        assert torch.equal(flat.cpu(), flat2.reshape(-1)), f"tensor {i}: flat positions"
+        packed = wire.pack(v2.reshape(-1), l2.reshape(-1), wire_dtype, idt)
+        assert block.dtype == torch.uint8 and _same_block(block, packed, s.count, wire_dtype), f"tensor {i}: block"
+        assert wi.dtype == idt and torch.equal(wi.cpu().to(torch.int64), l2.reshape(-1))
+        assert _same(wv, v2.reshape(-1).to(wire_dtype))
+        assert bool(finite) == bool(torch.isfinite(v2).all())
+        saw_nonfinite |= not bool(finite)
+        if not exact:  # the memory's update after a rounding wire
+            rem = torch.nan_to_num(v2.reshape(-1) - v2.reshape(-1).to(wire_dtype).to(dtype), nan=0.0, posinf=0.0,
+                                   neginf=0.0)
+            want_a[sa][flat2.reshape(-1).to(want_a.device)] = rem
+    assert saw_nonfinite  # the data put NaN / Inf into some fiber's top k
+    # the unsent NaN / Inf are zeroed too (the memory's scrub: only fibers that sent non-finite values have any)
+    assert bool((~torch.isfinite(want_a)).any())
+    torch.nan_to_num_(want_a, nan=0.0, posinf=0.0, neginf=0.0)
+    assert torch.equal(_bits(a), _bits(want_a))
+    # the blocks lie back to back: the engines send them without a copy
+    assert wire.join([b for *_, b, _ in bs.split_wire(p, r)]).data_ptr() == r.wire.data_ptr()
+    return p
+
+
+WIRES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float16),
+         (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float32), (torch.float64, torch.bfloat16),
+         (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("dtype,wire_dtype", WIRES)
+def test_bucket_fused_wire_is_pack_of_the_per_tensor_path(dtype, wire_dtype):
+    _tk()
+    p = _check_wire(MIXED, dtype, wire_dtype, seed=13, ties=dtype == torch.float16)
+    assert p.fused == list(range(len(MIXED))) and p.single == []
+
+
+@pytest.mark.parametrize("route", ["streamed", "transposed"])
+def test_bucket_fused_wire_streamed_and_transposed(monkeypatch, route):
+    tk = _tk()
+    monkeypatch.setattr(tk, "ONE_PASS_MAX", 8)
+    monkeypatch.setattr(tk, "COLUMN_MIN_PROGRAMS", 0 if route == "streamed" else 1000)
+    monkeypatch.setattr(bs, "_PLANS", {})
+    specs = [bs.FiberSpec(3, 37, 1, 5), bs.FiberSpec(21, 4, 0, 6), bs.FiberSpec(2, 5, 1, 2), bs.FiberSpec(19, 2, 0, 19)]
+    p = _check_wire(specs, torch.float32, torch.bfloat16, seed=17, ties=True, gap=3)
+    assert (p.single == []) == (route == "streamed")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype,wire_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                              (torch.float64, torch.float16)])
+def test_bucket_loop_wire_is_pack_of_the_per_tensor_path(dtype, wire_dtype):
+    """The loop (CPU) fills the same wire buffer tensor by tensor."""
+    p = _check_wire(MIXED, dtype, wire_dtype, seed=19, impl="loop", gap=2)
+    assert p.fused == [] and p.wire_bytes == sum(
+        bs.block_bytes(s.count, wire_dtype, bs.index_dtype_for(s.fiber_len - 1)) for s in MIXED)
+
+
+def _check_decode(specs, dtype, wire_dtype, impl, scale, world=3, gap=4):
+    """Three ranks' packed buckets, stacked as an allgather delivers them, decoded into a bucket buffer: every
+    tensor's region bit for bit sparsify.sum_in_rank_order of its blocks, the gaps between them untouched."""
+    from horovod_adtopk import wire
+    from horovod_adtopk.compressors.base import FiberCodec
+    from horovod_adtopk.selection import FiberLayout
+    from horovod_adtopk.sparsify import sum_in_rank_order
+
+    a_off, n_a = _offsets(specs)
+    g_off, n_g = _offsets(specs, gap)
+    p = bs.plan(specs, a_off, g_off, dtype=dtype, device=DEVICE, impl=impl, wire_dtype=wire_dtype)
+    wires = []
+    for r in range(world):
+        a = _data(n_a, dtype, 50 + r, ties=r == 1, nonfinite=r == 2).to(DEVICE)
+        wires.append(bs.select(a, p, _data(n_g, dtype, 60 + r).to(DEVICE), zero_sent=True).wire)
+    rows = torch.stack(wires)
+    out = torch.full((n_g,), 7.0, dtype=dtype, device=DEVICE)
+    bs.decode(p, rows, out, scale)
+    outside = torch.ones(n_g, dtype=torch.bool)
+    for i, s in enumerate(specs):
+        vo, io = p.wire_regions(i)
+        idt = p.index_dtypes[i]
+        values = torch.cat([w[vo:vo + s.count * wire.dtype_bytes(wire_dtype)].view(wire_dtype) for w in wires])
+        index = torch.cat([w[io:io + s.count * wire.dtype_bytes(idt)].view(idt) for w in wires])
+        layout = FiberLayout((s.rows, s.cols), s.rows, s.cols, s.axis, s.k)
+        want = torch.empty(s.numel, dtype=dtype, device=DEVICE)
+        sum_in_rank_order(want, values, index.to(torch.int64), [s.count] * world, FiberCodec(layout), scale)
+        got = out[g_off[i]:g_off[i] + s.numel]
+        assert torch.equal(_bits(got), _bits(want)) or _same(got, want), f"tensor {i}: decode"
+        outside[g_off[i]:g_off[i] + s.numel] = False
+    assert bool((out.cpu()[outside] == 7.0).all())  # the dense tensors between are left alone
+    return p
+
+
+@pytest.mark.parametrize("dtype,wire_dtype,scale", [(torch.float32, torch.float32, 1 / 3),
+                                                    (torch.float32, torch.bfloat16, 1 / 3),
+                                                    (torch.bfloat16, torch.bfloat16, 1 / 3),
+                                                    (torch.float16, torch.float16, 1.0),
+                                                    (torch.float64, torch.float32, 1 / 3)])
+def test_bucket_decode_is_sum_in_rank_order(dtype, wire_dtype, scale):
+    _tk()
+    _check_decode(MIXED, dtype, wire_dtype, "triton", scale)
+
+
+@pytest.mark.quick
+def test_bucket_decode_loop_is_sum_in_rank_order():
+    _check_decode(MIXED, torch.float32, torch.bfloat16, "loop", 0.25, world=4)
+    p = bs.plan(MIXED, _offsets(MIXED)[0], dtype=torch.float32, impl="loop")
+    with pytest.raises(ValueError, match="wire_dtype"):
+        bs.decode(p, torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(1000))
+
+
+@pytest.mark.quick
+def test_wire_join_views_or_copies():
+    from horovod_adtopk import wire
+
+    buf = torch.arange(40, dtype=torch.uint8)
+    j = wire.join([buf[0:8], buf[8:24], buf[24:32]])
+    assert j.data_ptr() == buf.data_ptr() and torch.equal(j, buf[:32])
+    other = torch.arange(8, dtype=torch.uint8)
+    c = wire.join([buf[0:8], other, buf[16:24]])  # not back to back: a copy, same bytes
+    assert c.data_ptr() != buf.data_ptr() and torch.equal(c, torch.cat([buf[0:8], other, buf[16:24]]))
+    assert torch.equal(wire.join([buf[8:16], buf[0:8]]), torch.cat([buf[8:16], buf[0:8]]))
+    with pytest.raises(ValueError):
+        wire.join([])
+
+
 @pytest.mark.quick
 def test_plan_cached_and_checked():
     offs, n = _offsets(MIXED)
@@ -222,11 +385,14 @@ def _bucket(dtype, seed):
 
 @pytest.mark.parametrize("impl", ["loop", "triton"])
 @pytest.mark.parametrize("dtype,value_dtype,prescale", [(torch.float32, None, 1.0), (torch.bfloat16, None, 1.0),
-                                                        (torch.float32, torch.float16, 0.5)])
+                                                        (torch.float32, torch.float16, 0.5),
+                                                        (torch.float32, torch.bfloat16, 1.0)])
 def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
-    """Three steps: every selection (values, positions, wire values, finiteness) and every residual bit for bit
-    as Sparsifier.select gives them one tensor at a time; exact wires zero what they send in the kernel,
-    others keep the wire's rounding error in the memory."""
+    """Three steps: every selection (values, positions, wire values, finiteness, the packed block) and every
+    residual bit for bit as Sparsifier.select gives them one tensor at a time; exact wires zero what they send
+    in the kernel, others keep the wire's rounding error in the memory (in the kernel too, where the selection
+    packs the wire: no prescale, no float16 clamping)."""
+    from horovod_adtopk import payload
     if impl == "triton":
         _tk()
     per, bucket = _sparsifier(value_dtype, prescale), _sparsifier(value_dtype, prescale)
@@ -237,12 +403,22 @@ def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
         got = bucket.select_bucket(buf, items, step, impl=impl)
         for (g, info), s1, s2 in zip(items, want, got):
             assert torch.equal(_bits(s1.values), _bits(s2.values))
-            assert torch.equal(s1.flat.cpu(), s2.flat.cpu()) and torch.equal(s1.wire_index.cpu(), s2.wire_index.cpu())
-            assert torch.equal(_bits(s1.wire_values), _bits(s2.wire_values))
+            assert torch.equal(s1.flat.cpu(), s2.flat.cpu())
+            assert torch.equal(s1.wire_index.cpu().to(torch.int64), s2.wire_index.cpu().to(torch.int64))
+            assert _same(s1.wire_values, s2.wire_values)  # NaN payloads aside (see _same_block)
+            assert (s2.block is not None) == (prescale == 1.0)  # packed by the selection
+            kind = payload.SparseGather(2, per.compression)
+            item1, item2 = payload.Item(info.name, info, s1), payload.Item(info.name, info, s2)
+            assert s1.block is None and _same_block(kind.encode(item2), kind.encode(item1), s1.values.numel(),
+                                                    kind.value_dtype(info))
             assert bool(s1.finite) == bool(s2.finite)
             assert s1.codec.layout == s2.codec.layout
+        assert [n for n, *_ in per.nonfinite] == [n for n, *_ in bucket.nonfinite]
+        # the round's end: the packed path zeroed the unsent NaN / Inf already, the per-tensor one does it now
+        scrubbed = per.scrub_nonfinite()
+        assert bucket.scrub_nonfinite() == scrubbed and (scrubbed > 0) == (step == 1)  # step 1: NaN / Inf
+        for _, info in items:
             assert torch.equal(_bits(per.memory.residuals[info.name]), _bits(bucket.memory.residuals[info.name]))
-    assert [n for n, _ in per.nonfinite] == [n for n, _ in bucket.nonfinite]
     # the residuals live in one buffer; one replaced elsewhere (a checkpoint) is copied back in, same result
     bucket.memory.residuals["t1"] = bucket.memory.residuals["t1"].clone()
     buf, items = _bucket(dtype, seed=40)
@@ -250,6 +426,8 @@ def test_select_bucket_is_select_per_tensor(impl, dtype, value_dtype, prescale):
     got = bucket.select_bucket(buf, items, 3, impl=impl)
     for s1, s2 in zip(want, got):
         assert torch.equal(_bits(s1.values), _bits(s2.values)) and torch.equal(s1.flat.cpu(), s2.flat.cpu())
+    per.scrub_nonfinite()
+    bucket.scrub_nonfinite()
     for name in per.memory.residuals:
         assert torch.equal(_bits(per.memory.residuals[name]), _bits(bucket.memory.residuals[name]))
 
@@ -283,25 +461,34 @@ def test_ddp_engine_bucket_path_is_bitwise_the_per_tensor_path(tmp_path):
              and c["kwargs"].get("error_feedback", True)][:7]
     assert len(cases) == 7 and cases[6]["kwargs"].get("value_dtype") == "float16"
     assert all(c["kwargs"].get("min_numel") == SPARSE_KW["min_numel"] for c in cases)
-    outs = {}
-    for mode in ("off", "loop"):
+    outs, decodes = {}, {}
+    # "triton": the fused launches (selection, packing, and the whole-bucket decode) under the interpreter
+    modes = {"off": cases, "loop": cases, "triton": cases[:3]}
+    for mode, mode_cases in modes.items():
         out = tmp_path / mode
         out.mkdir()
-        (out / "args.json").write_text(json.dumps({"cases": cases}))
+        (out / "args.json").write_text(json.dumps({"cases": mode_cases}))
+        env = {"HOROVOD_ADTOPK_BUCKET_SELECT": mode}
+        if mode == "triton" and not torch.cuda.is_available():
+            env["TRITON_INTERPRET"] = "1"
         rc, log, _ = run_command([sys.executable, "-m", "tests._ddp_launch", "2", "reference_cases",
-                                  str(out / "args.json"), str(out)], timeout=240,
-                                 env={"HOROVOD_ADTOPK_BUCKET_SELECT": mode})
+                                  str(out / "args.json"), str(out)], timeout=240, env=env)
         assert rc == 0, log[-5000:]
-        outs[mode] = [load_case(str(out), ci, 2, case)[1] for ci, case in enumerate(cases)]
+        outs[mode] = [load_case(str(out), ci, 2, case)[1] for ci, case in enumerate(mode_cases)]
+        decodes[mode] = [c["bucket_decodes"] for c in json.loads((out / "rank0.json").read_text())]
     compared = 0
-    for ci, case in enumerate(cases):
-        for r in range(2):
-            for t in range(case["steps"]):
-                for n in case["shapes"]:
-                    a, b = np.asarray(outs["off"][ci][r][t][n]), np.asarray(outs["loop"][ci][r][t][n])
-                    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"case {ci} rank {r} step {t} {n}"
-                    compared += 1
-    assert compared > 50
+    for mode in ("loop", "triton"):
+        for ci, case in enumerate(modes[mode]):
+            for r in range(2):
+                for t in range(case["steps"]):
+                    for n in case["shapes"]:
+                        a, b = np.asarray(outs["off"][ci][r][t][n]), np.asarray(outs[mode][ci][r][t][n])
+                        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"{mode} case {ci} rank {r} step {t} {n}"
+                        compared += 1
+    assert compared > 70
+    # the whole-bucket decode ran (every case but the float16 wire of float32 gradients, packed per tensor)
+    assert decodes["off"] == [0] * 7 and all(d > 0 for d in decodes["loop"][:6] + decodes["triton"]), decodes
+    assert decodes["loop"][6] == 0, decodes
 
 
 def test_gpu_check_bucket_and_step_stages_dry(tmp_path):

@@ -102,10 +102,12 @@ class Selection:
 
     values: torch.Tensor  # 1-D, signed, gradient dtype
     flat: torch.Tensor  # 1-D int64 flat positions of ``values`` (for the sender's memory)
-    wire_index: Optional[torch.Tensor]  # what travels as indices (None for SharedCodec)
+    wire_index: Optional[torch.Tensor]  # what travels as indices, any integer dtype (None for SharedCodec)
     codec: object
     finite: Optional[torch.Tensor] = None  # 0-d bool: nothing non-finite left the rank unsent
     wire_values: Optional[torch.Tensor] = None  # ``values`` as they travel (scaled, wire dtype; set by the sender)
+    block: Optional[torch.Tensor] = None  # the packed uint8 block, where the selection wrote it (bucket select)
+    packed: Optional[tuple] = None  # (bucket_select plan, tensor index) of the bucket selection that packed it
 
 
 @dataclass(frozen=True)

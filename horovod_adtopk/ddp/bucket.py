@@ -32,6 +32,7 @@ from .. import bucket_select, payload, sharded
 from ..compressors import SharedCodec, TensorInfo
 from ..sparsify import dense_contribution
 from ..wire import COUNT_BYTES, block_bytes, payload_bytes
+from ..wire import join as wire_join
 from .communicator import peer_lost
 
 
@@ -70,6 +71,7 @@ class BucketExchange:
         self.sparse: List[Tuple[torch.Tensor, TensorInfo, object]] = []  # (view, info, selection)
         self.sharded: List[Tuple[torch.Tensor, TensorInfo, object, object]] = []  # (view, info, selection, plan)
         self.futures: List[torch.futures.Future] = []
+        self.decode_plan = None  # see _whole_plan
 
     def launch(self) -> torch.futures.Future:
         buffer = self.bucket.buffer()
@@ -206,7 +208,7 @@ class BucketExchange:
         self.sparse_kind = payload.SparseGather(self.world, self.state.compression)
         self.sparse_items = [payload.Item(info.name, info, s) for _, info, s in self.sparse]
         blocks = [self.sparse_kind.encode(item) for item in self.sparse_items]
-        local = torch.cat(blocks)
+        local = wire_join(blocks)  # a view where the bucket selection packed them back to back
         self.variable = any(s.codec.count is None for _, _, s in self.sparse)
         if self.variable:  # counts first (blocking, tiny), then every rank's buffer padded to the largest
             counts = torch.tensor([s.values.numel() for _, _, s in self.sparse], dtype=torch.int64,
@@ -218,6 +220,7 @@ class BucketExchange:
         else:
             self.counts = [[s.codec.count for _, _, s in self.sparse]] * self.world
             self.row_bytes = local.numel()
+            self.decode_plan = self._whole_plan(local)
         # the padding to the largest rank's buffer travels too: counted on the bucket's first sparse tensor
         padding = self.row_bytes - sum(payload_bytes(b) for b in blocks)
         for i, ((view, info, s), block) in enumerate(zip(self.sparse, blocks)):
@@ -307,8 +310,32 @@ class BucketExchange:
             _store(view, payload.SharedSum.place(_flat_out(view), item, summed[offset:offset + n]))
             offset += n
 
+    def _whole_plan(self, local: torch.Tensor):
+        """The bucket selection's plan when it packed exactly this bucket's sparse payload (every tensor, in
+        order, back to back in ``local``) from gradients at its offsets in the bucket buffer: then
+        :meth:`_finish_sparse` decodes all of it at once (:func:`horovod_adtopk.bucket_select.decode`)."""
+        packed = [s.packed for _, _, s in self.sparse]
+        if any(pk is None for pk in packed):
+            return None
+        p = packed[0][0]
+        buffer = self.bucket.buffer()
+        if (any(pk[0] is not p for pk in packed) or [pk[1] for pk in packed] != list(range(len(p.specs)))
+                or local.numel() != p.wire_bytes or p.wire_dtype != self._wire_dtype(self.sparse[0][1])
+                or buffer.dtype != p.dtype or buffer.device != p.device or not buffer.is_contiguous()):
+            return None
+        start, size = buffer.data_ptr(), buffer.element_size()
+        for (view, _, _), off in zip(self.sparse, p.g_offsets):
+            if view.data_ptr() != start + off * size or not view.is_contiguous():
+                return None
+        return p
+
     def _finish_sparse(self) -> None:
         if not self.sparse:
+            return
+        if self.decode_plan is not None:  # the whole bucket at once, into the bucket buffer
+            rows = self.gathered.view(self.world, self.row_bytes)
+            bucket_select.decode(self.decode_plan, rows, self.bucket.buffer().view(-1), self.sparse_kind.scale)
+            self.state.stats_.bucket_decodes += 1
             return
         rows = self.gathered.view(self.world, self.row_bytes)
         offsets = [0] * self.world
