@@ -518,6 +518,9 @@ def test_gpu_check_bucket_and_step_stages_dry(tmp_path):
     assert set(step["variants"]) == {"dense", "adtopk", "adtopk_per_tensor", "powersgd", "fp16"}
     for v in step["variants"].values():
         assert v["finite"] and all(math.isfinite(x) for x in v["losses"]) and v["step_ms"] > 0
+    # the bucket path decoded its packed buckets whole (every step's buckets, on the DDP engine)
+    assert step["variants"]["adtopk"]["bucket_decodes"] > 0
+    assert step["variants"]["adtopk"]["syncs"] == "skipped (CPU tensors)"
 
 
 def sys_executable():
