@@ -98,6 +98,8 @@ METHODS: Dict[str, tuple] = {
     # DGC's longer density warm-up: 4 of the CNN's 12 epochs (470 steps) from density 0.25 down to 0.01
     "adtopk01_dwu470": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
                                     "--density-warmup", "470"]),
+    "adtopk01_sharded_dwu470": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
+                                            "--exchange", "sharded", "--density-warmup", "470"]),
     # half the workload's learning rate (argparse keeps the last --lr)
     "adtopk01_lr0125": ("horovod", ["--compressor", "adtopk", "--ratio", "0.01", "--min-fiber-len", "1",
                                     "--lr", "0.0125"]),
