@@ -39,7 +39,11 @@ Kernels
 - ``_bucket_topk_kernel``: the same body (``_select_fibers``) for the fibers of several tensors in one launch
   (:func:`bucket_adtopk_select`): each program reads its row of a fiber table (the tensor's offsets in the
   residual, gradient and output buffers, its first fiber, fiber count, length, ``cols`` and ``k``); one launch
-  per launch configuration (``FB``, ``BLOCK``, one pass or streamed, axis), so a bucket takes a few.
+  per launch configuration (``FB``, ``BLOCK``, one pass or streamed, axis), so a bucket takes a few. With a
+  wire, the same stores also write each tensor's wire block (values cast to the wire dtype, narrow fiber-local
+  indices) into one ``uint8`` buffer and a non-finite flag per tensor (``_store_wire``).
+- ``_bucket_decode_kernel`` (:func:`bucket_decode`): one rank's packed blocks of a bucket added into the dense
+  outputs, one launch per rank after ``_zero_regions_kernel`` cleared the tensors' regions.
 - Flat (global) selection, all programs together: per round, ``_radix_count_kernel`` counts the
   candidates of every block and adds them to a global histogram with integer atomics (exact and
   order-independent, hence deterministic), then a one-program ``_radix_step_kernel`` folds the histogram
