@@ -38,7 +38,7 @@ import torch
 
 from . import kernels
 from .selection import FiberGeometry
-from .wire import WIRE_VALUE_DTYPES, block_bytes, dtype_bytes, index_dtype_for
+from .wire import WIRE_VALUE_DTYPES, _padded, block_bytes, dtype_bytes, index_dtype_for
 
 __all__ = ["FiberSpec", "BucketPlan", "BucketWire", "plan", "select", "split", "split_wire", "decode"]
 
@@ -86,8 +86,13 @@ class BucketPlan:
         self.index_dtypes: Tuple[torch.dtype, ...] = ()
         self.block_offsets: List[int] = []
         self.wire_bytes = 0
+        self.codecs: list = []  # FiberCodec per tensor (wire only): local -> flat positions, the rank-order sum
         if wire_dtype is not None:
-            self.index_dtypes = tuple(index_dtype_for(max(s.fiber_len - 1, 0)) for s in self.specs)
+            from .compressors.base import FiberCodec
+            from .selection import FiberLayout
+
+            self.codecs = [FiberCodec(FiberLayout((s.rows, s.cols), s.rows, s.cols, s.axis, s.k)) for s in self.specs]
+            self.index_dtypes = tuple(c.index_dtype for c in self.codecs)
             for s, idt in zip(self.specs, self.index_dtypes):
                 self.block_offsets.append(self.wire_bytes)
                 self.wire_bytes += block_bytes(s.count, wire_dtype, idt)
@@ -136,7 +141,7 @@ class BucketPlan:
     def wire_regions(self, i: int) -> Tuple[int, int]:
         """Byte offsets of tensor ``i``'s values and indices in the wire buffer."""
         o, s = self.block_offsets[i], self.specs[i]
-        return o, o + -(-s.count * dtype_bytes(self.wire_dtype) // 8) * 8
+        return o, o + _padded(s.count * dtype_bytes(self.wire_dtype))
 
     @property
     def launches(self) -> int:
@@ -257,9 +262,8 @@ def select(a: torch.Tensor, p: BucketPlan, grad: Optional[torch.Tensor] = None, 
         if wdt is None:
             local[oo:oo + s.count].copy_(l.reshape(-1))
             continue
-        fib = torch.arange(s.num_fibers, device=a.device).view(-1, 1)
-        flat = fib * s.cols + l if s.axis == 1 else l * s.cols + fib
-        local[oo:oo + s.count].copy_(flat.reshape(-1))
+        flat = p.codecs[i].to_flat(l.reshape(-1))
+        local[oo:oo + s.count].copy_(flat)
         v = v.reshape(-1)
         vo, io = p.wire_regions(i)
         sent = wire[vo:vo + s.count * dtype_bytes(wdt)].view(wdt)
@@ -268,7 +272,7 @@ def select(a: torch.Tensor, p: BucketPlan, grad: Optional[torch.Tensor] = None, 
         flags[i] = (~torch.isfinite(v)).any()
         if zero_sent and remainder:  # what the rounding wire did not carry stays (the memory's update)
             rem = torch.nan_to_num(v - sent.to(a.dtype), nan=0.0, posinf=0.0, neginf=0.0)
-            a[ao:ao + n][flat.reshape(-1)] = rem
+            a[ao:ao + n][flat] = rem
         if zero_sent:  # the unsent NaN / Inf too, as the fused launches do (the memory's scrub)
             torch.nan_to_num_(a[ao:ao + n], nan=0.0, posinf=0.0, neginf=0.0)
     if wdt is not None:
@@ -324,22 +328,13 @@ def decode(p: BucketPlan, rows: torch.Tensor, out: torch.Tensor, scale: float = 
                               device=out.device)
         p._tk.bucket_decode(rows.contiguous(), p.wire_dtype, out, tabs[0], tabs[1], tabs[2], sc)
         return out
+    from .sparsify import sum_in_rank_order
+
     for i, s in enumerate(p.specs):
         vo, io = p.wire_regions(i)
         idt = p.index_dtypes[i]
         values = rows[:, vo:vo + s.count * dtype_bytes(p.wire_dtype)].contiguous().view(p.wire_dtype).reshape(-1)
-        local = rows[:, io:io + s.count * dtype_bytes(idt)].contiguous().view(idt).reshape(world, s.count)
-        fib = torch.arange(s.num_fibers, device=rows.device).repeat_interleave(s.k).view(1, -1)
-        local = local.to(torch.int64)
-        flat = (fib * s.cols + local if s.axis == 1 else local * s.cols + fib).reshape(-1)
-        dense = out[p.g_offsets[i]:p.g_offsets[i] + s.numel]
-        dense.zero_()
-        values = values.to(out.dtype)
-        if scale != 1.0:
-            values = values * scale
-        if dense.device.type == "cpu":
-            dense.index_add_(0, flat, values)
-        else:
-            for r in range(world):
-                dense.index_add_(0, flat[r * s.count:(r + 1) * s.count], values[r * s.count:(r + 1) * s.count])
+        index = rows[:, io:io + s.count * dtype_bytes(idt)].contiguous().view(idt).reshape(-1)
+        sum_in_rank_order(out[p.g_offsets[i]:p.g_offsets[i] + s.numel], values, index, [s.count] * world,
+                          p.codecs[i], scale)
     return out
