@@ -114,9 +114,7 @@ class BucketPlan:
                 entry = (config, self.a_offsets[i], self.g_offsets[i], self.out_offsets[i], s.rows, s.cols,
                          s.axis, s.k)
                 if wire_dtype is not None:
-                    vo, io = self.wire_regions(i)
-                    idt = self.index_dtypes[i]
-                    entry += (idt, vo // dtype_bytes(wire_dtype), io // dtype_bytes(idt), i)
+                    entry += (self.index_dtypes[i], *self._wire_elements(i), i)
                 entries.append(entry)
         if entries:
             rows, self.groups = tk.bucket_table(entries)
@@ -129,14 +127,17 @@ class BucketPlan:
         if self._decode is None or self._decode[0] != device:
             entries = []
             for i, s in enumerate(self.specs):
-                vo, io = self.wire_regions(i)
-                idt = self.index_dtypes[i]
-                entries.append((idt, vo // dtype_bytes(self.wire_dtype), io // dtype_bytes(idt), s.count,
-                                self.g_offsets[i], s.k, s.axis, s.cols))
+                entries.append((self.index_dtypes[i], *self._wire_elements(i), s.count, self.g_offsets[i], s.k,
+                                s.axis, s.cols))
             rows, groups, zero_rows = self._tk.decode_tables(entries, [s.numel for s in self.specs])
             self._decode = (device, torch.tensor(rows, dtype=torch.int64).reshape(-1, 8).to(device), groups,
                             torch.tensor(zero_rows, dtype=torch.int64).reshape(-1, 3).to(device))
         return self._decode[1:]
+
+    def _wire_elements(self, i: int) -> Tuple[int, int]:
+        """Tensor ``i``'s values and indices in the wire buffer, in elements of its value and index views."""
+        vo, io = self.wire_regions(i)
+        return vo // dtype_bytes(self.wire_dtype), io // dtype_bytes(self.index_dtypes[i])
 
     def wire_regions(self, i: int) -> Tuple[int, int]:
         """Byte offsets of tensor ``i``'s values and indices in the wire buffer."""
